@@ -1,0 +1,148 @@
+"""Backends for the diagonal linear recurrence `h_t = a_t * h_{t-1} + b_t`.
+
+A backend is an immutable `eqx.Module` passed to a layer or function as its `scan`
+argument (the lineax/diffrax pattern). Backends only compute the primal recurrence;
+derivatives are defined once, for every backend, in `eqx_seq.linear_recurrence`.
+"""
+
+import abc
+
+import equinox as eqx
+import jax
+import jax.lax as lax
+import jax.numpy as jnp
+from jaxtyping import Array, Inexact
+
+
+class AbstractScan(eqx.Module):
+    """Abstract base class for recurrence backends.
+
+    Subclass it and implement [`eqx_seq.AbstractScan.recurrence`][] to add a backend;
+    it can then be passed as `scan=` anywhere in `eqx_seq`.
+    """
+
+    @abc.abstractmethod
+    def recurrence(
+        self,
+        a: Inexact[Array, "..."],
+        b: Inexact[Array, "T *S"],
+        *,
+        reverse: bool = False,
+    ) -> Inexact[Array, "T *S"]:
+        """Solve `h_t = a_t * h_{t-1} + b_t` along axis 0, from `h_{-1} = 0`.
+
+        This is the low-level primal: it is differentiated by tracing. Call
+        [`eqx_seq.linear_recurrence`][] instead for validated inputs, initial states
+        and adjoint derivatives.
+
+        **Arguments:**
+
+        - `a`: the decay, either `(T, *S)` (time-varying) or exactly `S`
+            (time-invariant), with the dtype of `b`.
+        - `b`: the inputs, shape `(T, *S)`, `T >= 1`.
+        - `reverse`: if `True`, solve `h_t = a_t * h_{t+1} + b_t` from `h_T = 0`
+            instead, i.e. run from the last step to the first.
+
+        **Returns:**
+
+        All states `h`, shape `(T, *S)`.
+        """
+
+
+class SequentialScan(AbstractScan):
+    """One step after another with `jax.lax.scan`: `O(T)` depth and work.
+
+    The fastest backend on CPU in our benchmarks (see `benchmarks/README.md`).
+    """
+
+    unroll: int = eqx.field(default=1, static=True)
+
+    def __check_init__(self):
+        if not isinstance(self.unroll, int) or isinstance(self.unroll, bool):
+            raise ValueError(f"`unroll` must be a positive int, got {self.unroll!r}.")
+        if self.unroll < 1:
+            raise ValueError(f"`unroll` must be a positive int, got {self.unroll}.")
+
+    def recurrence(
+        self,
+        a: Inexact[Array, "..."],
+        b: Inexact[Array, "T *S"],
+        *,
+        reverse: bool = False,
+    ) -> Inexact[Array, "T *S"]:
+        if a.ndim < b.ndim:
+
+            def step(h, b_t):
+                h = a * h + b_t
+                return h, h
+
+            xs = b
+        else:
+
+            def step(h, a_b_t):
+                a_t, b_t = a_b_t
+                h = a_t * h + b_t
+                return h, h
+
+            xs = (a, b)
+        _, h = lax.scan(
+            step, jnp.zeros_like(b[0]), xs, reverse=reverse, unroll=self.unroll
+        )
+        return h
+
+
+def _compose(earlier, later):
+    # Composition of the affine maps h -> a*h + b: first `earlier`, then `later`.
+    a_e, b_e = earlier
+    a_l, b_l = later
+    return a_l * a_e, a_l * b_e + b_l
+
+
+class AssociativeScan(AbstractScan):
+    """In parallel with `jax.lax.associative_scan`: `O(log T)` depth, `O(T)` work.
+
+    Composes the affine maps `h -> a_t * h + b_t` pairwise (Blelloch, "Prefix sums
+    and their applications", 1990; Martin & Cundy, ICLR 2018). It materialises the
+    decay over time, so a time-invariant `a` costs a `(T, *S)` buffer.
+    """
+
+    def recurrence(
+        self,
+        a: Inexact[Array, "..."],
+        b: Inexact[Array, "T *S"],
+        *,
+        reverse: bool = False,
+    ) -> Inexact[Array, "T *S"]:
+        a = jnp.broadcast_to(a, b.shape)
+        # With `reverse=True`, `associative_scan` passes the element later in the
+        # scan order (the one nearer the end of the reversed run) as its first
+        # argument, which is again the map applied first: the same `_compose`.
+        _, h = lax.associative_scan(_compose, (a, b), reverse=reverse)
+        return h
+
+
+class AutoScan(AbstractScan):
+    """Picks a backend at trace time from the platform.
+
+    The rule, from `benchmarks/bench_recurrence.py`:
+
+    - on CPU, [`eqx_seq.SequentialScan`][] (`unroll=1`) at every length;
+    - on GPU and TPU, [`eqx_seq.AssociativeScan`][].
+
+    The platform is `jax.default_backend()`.
+    """
+
+    def select(self) -> AbstractScan:
+        """The backend this rule picks on the current platform."""
+        if jax.default_backend() == "cpu":
+            return SequentialScan()
+        return AssociativeScan()
+
+    def recurrence(
+        self,
+        a: Inexact[Array, "..."],
+        b: Inexact[Array, "T *S"],
+        *,
+        reverse: bool = False,
+    ) -> Inexact[Array, "T *S"]:
+        return self.select().recurrence(a, b, reverse=reverse)
