@@ -24,7 +24,7 @@ import jax.numpy as jnp
 from jax.custom_derivatives import SymbolicZero
 from jaxtyping import Array, ArrayLike, Inexact
 
-from ._scan import AbstractScan, AutoScan
+from ._scan import AbstractScan, AutoScan, fold_initial_state
 
 
 def _shift(x: Array, fill: Array, *, reverse: bool) -> Array:
@@ -38,13 +38,6 @@ def _shift(x: Array, fill: Array, *, reverse: bool) -> Array:
 def _per_step(x: Array, like: Array) -> Array:
     """A time-invariant `x` (shape `S`) given a leading time axis, to broadcast explicitly."""
     return x if x.ndim == like.ndim else x[None]
-
-
-def _fold_initial_state(a: Array, b: Array, h0: Array, *, reverse: bool) -> Array:
-    """`b` with `a * h0` added to its first step, so the run can start from zero."""
-    first = -1 if reverse else 0
-    a_first = a if a.ndim < b.ndim else a[first]
-    return b.at[first].add(a_first * h0)
 
 
 def _linear_solve(scan: AbstractScan, a: Array, rhs: Array, *, reverse: bool) -> Array:
@@ -71,7 +64,7 @@ def _linear_solve(scan: AbstractScan, a: Array, rhs: Array, *, reverse: bool) ->
 
 @ft.partial(jax.custom_jvp, nondiff_argnums=(0, 1))
 def _recurrence(scan: AbstractScan, reverse: bool, a: Array, b: Array, h0: Array):
-    return scan.recurrence(a, _fold_initial_state(a, b, h0, reverse=reverse), reverse=reverse)
+    return scan.recurrence(a, b, h0, reverse=reverse)
 
 
 def _is_zero(tangent) -> bool:
@@ -116,7 +109,7 @@ def _recurrence_jvp(scan, reverse, primals, tangents):
     if not _is_zero(da):
         rhs = rhs + _per_step(da, h) * _shift(h, h0, reverse=reverse)
     if not _is_zero(dh0):
-        rhs = _fold_initial_state(a, rhs, dh0, reverse=reverse)
+        rhs = fold_initial_state(a, rhs, dh0, reverse=reverse)
     return h, _linear_solve(scan, a, rhs, reverse=reverse)
 
 

@@ -1,0 +1,106 @@
+"""Shared timing helpers for the benchmark scripts (not part of the package)."""
+
+import json
+import os
+import platform
+import statistics
+import subprocess
+import time
+
+import jax
+
+
+def measure(fn, *args, repeats: int = 7, min_time: float = 0.0):
+    """Compile+first-call time and the median of `repeats` timed calls, in seconds.
+
+    `fn` should be jitted. Every call is synchronised with `jax.block_until_ready`.
+    If a call is faster than `min_time`, each timed sample loops until `min_time`
+    passes and reports the mean per call of that sample.
+    """
+    start = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    first = time.perf_counter() - start
+    jax.block_until_ready(fn(*args))  # warm-up after compilation
+    samples = []
+    for _ in range(repeats):
+        calls = 0
+        start = time.perf_counter()
+        while True:
+            jax.block_until_ready(fn(*args))
+            calls += 1
+            elapsed = time.perf_counter() - start
+            if elapsed >= min_time:
+                break
+        samples.append(elapsed / calls)
+    return first, statistics.median(samples)
+
+
+def measure_many(programs: dict, *, repeats: int = 7, min_time: float = 0.0, slow=()) -> dict:
+    """Time several programs with their samples interleaved, round-robin.
+
+    The machines we run on are shared: a slow spell hits whichever program is being
+    timed. Taking sample `r` of every program before sample `r + 1` of any spreads
+    such spells over all of them, so ratios within one run stay meaningful.
+
+    `programs` maps a name to `(fn, args)`; names in `slow` get a single call per
+    sample (`min_time` does not apply). Returns, per name, the first-call time
+    (compilation included) and the median per-call time, in seconds.
+    """
+    first = {}
+    for name, (fn, args) in programs.items():
+        start = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        first[name] = time.perf_counter() - start
+        jax.block_until_ready(fn(*args))  # warm-up after compilation
+    samples = {name: [] for name in programs}
+    for _ in range(repeats):
+        for name, (fn, args) in programs.items():
+            calls = 0
+            start = time.perf_counter()
+            while True:
+                jax.block_until_ready(fn(*args))
+                calls += 1
+                elapsed = time.perf_counter() - start
+                if name in slow or elapsed >= min_time:
+                    break
+            samples[name].append(elapsed / calls)
+    return {
+        name: {"first_call_s": first[name], "median_ms": 1e3 * statistics.median(samples[name])}
+        for name in programs
+    }
+
+
+def machine() -> dict:
+    """What the numbers were measured on."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    try:
+        commit = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False
+        ).stdout.strip()
+    except OSError:
+        commit = ""
+    return {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "platform": jax.default_backend(),
+        "devices": [str(d) for d in jax.devices()],
+        "jax": jax.__version__,
+        "python": platform.python_version(),
+        "xla_flags": os.environ.get("XLA_FLAGS", ""),
+        "commit": commit,
+    }
+
+
+def write_json(path: str, payload: dict) -> None:
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(payload, f, indent=2)
+    print(f"wrote {path}")
