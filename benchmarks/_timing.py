@@ -42,8 +42,9 @@ def measure_many(programs: dict, *, repeats: int = 7, min_time: float = 0.0, slo
     timed. Taking sample `r` of every program before sample `r + 1` of any spreads
     such spells over all of them, so ratios within one run stay meaningful.
 
-    `programs` maps a name to `(fn, args)`; names in `slow` get a single call per
-    sample (`min_time` does not apply). Returns, per name, the first-call time
+    `programs` maps a name to `(fn, args)`. Each sample of a fast program follows
+    one untimed call; names in `slow` get a single timed call per sample instead
+    (`min_time` does not apply). Returns, per name, the first-call time
     (compilation included) and the median per-call time, in seconds.
     """
     first = {}
@@ -55,6 +56,10 @@ def measure_many(programs: dict, *, repeats: int = 7, min_time: float = 0.0, slo
     samples = {name: [] for name in programs}
     for _ in range(repeats):
         for name, (fn, args) in programs.items():
+            if name not in slow:
+                # untimed: after a memory-hungry neighbour the first call pays for
+                # fresh pages, which is not this program's cost
+                jax.block_until_ready(fn(*args))
             calls = 0
             start = time.perf_counter()
             while True:

@@ -312,3 +312,19 @@ def test_errors_under_jit_and_vmap():
 def test_auto_scan_rule():
     expected = eqx_seq.SequentialScan if jax.default_backend() == "cpu" else eqx_seq.AssociativeScan
     assert type(eqx_seq.AutoScan().select()) is expected
+
+
+@pytest.mark.parametrize("backend", ["sequential", "associative"])
+def test_gradient_real_decay_complex_inputs(backend):
+    # a real decay driving complex inputs: promoted inside, gradient back on the reals
+    rng = np.random.default_rng(7)
+    T, N = 9, 3
+    a = jnp.asarray(rng.uniform(-0.9, 0.9, N))
+    b = jnp.asarray(rng.normal(size=(T, N)) + 1j * rng.normal(size=(T, N)))
+    h0 = jnp.asarray(rng.normal(size=N))
+    ours = make_loss(lambda a, b, h0: eqx_seq.linear_recurrence(a, b, h0, scan=BACKENDS[backend]), True, (T, N))
+    ref = make_loss(lambda a, b, h0: jax_loop(a.astype(b.dtype), b, h0.astype(b.dtype)), True, (T, N))
+    got = jax.jit(jax.grad(ours, argnums=(0, 2)))(a, b, h0)
+    expected = jax.jit(jax.grad(ref, argnums=(0, 2)))(a, b, h0)
+    assert got[0].dtype == a.dtype and got[1].dtype == h0.dtype
+    assert eqx.tree_equal(got, expected, rtol=1e-10, atol=1e-10)
