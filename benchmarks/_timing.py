@@ -10,31 +10,6 @@ import time
 import jax
 
 
-def measure(fn, *args, repeats: int = 7, min_time: float = 0.0):
-    """Compile+first-call time and the median of `repeats` timed calls, in seconds.
-
-    `fn` should be jitted. Every call is synchronised with `jax.block_until_ready`.
-    If a call is faster than `min_time`, each timed sample loops until `min_time`
-    passes and reports the mean per call of that sample.
-    """
-    start = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    first = time.perf_counter() - start
-    jax.block_until_ready(fn(*args))  # warm-up after compilation
-    samples = []
-    for _ in range(repeats):
-        calls = 0
-        start = time.perf_counter()
-        while True:
-            jax.block_until_ready(fn(*args))
-            calls += 1
-            elapsed = time.perf_counter() - start
-            if elapsed >= min_time:
-                break
-        samples.append(elapsed / calls)
-    return first, statistics.median(samples)
-
-
 def measure_many(programs: dict, *, repeats: int = 7, min_time: float = 0.0, slow=()) -> dict:
     """Time several programs with their samples interleaved, round-robin.
 
