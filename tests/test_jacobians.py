@@ -56,7 +56,7 @@ def test_against_closed_form(backend, T, complex_, reverse):
         np.testing.assert_allclose(got, expected, rtol=1e-10, atol=1e-12)
 
 
-@pytest.mark.parametrize("backend,complex_", it.product(["sequential", "associative"], [False, True]))
+@pytest.mark.parametrize("backend,complex_", list(it.product(["sequential", "associative"], [False, True])))
 def test_diagonal_of_jacfwd(backend, complex_):
     rng = np.random.default_rng(0)
     T, N = 12, 4

@@ -196,7 +196,7 @@ def test_jacfwd_equals_jacrev(backend, time_invariant, complex_, reverse):
         assert eqx.tree_equal(fwd, ref, rtol=1e-12, atol=1e-12)
 
 
-@pytest.mark.parametrize("backend,time_invariant", it.product(["sequential", "associative"], [True, False]))
+@pytest.mark.parametrize("backend,time_invariant", list(it.product(["sequential", "associative"], [True, False])))
 def test_hessian(backend, time_invariant):
     T, S = 5, (2,)
     rng = np.random.default_rng(4)
@@ -215,7 +215,7 @@ def test_hessian(backend, time_invariant):
     np.testing.assert_allclose(jax.jit(jax.hessian(ours))(a, b, h0).reshape(a.size, a.size) @ v.ravel(), fd.ravel(), rtol=1e-6, atol=1e-8)
 
 
-@pytest.mark.parametrize("time_invariant,complex_,reverse", it.product([True, False], [False, True], [False, True]))
+@pytest.mark.parametrize("time_invariant,complex_,reverse", list(it.product([True, False], [False, True], [False, True])))
 def test_backends_agree(time_invariant, complex_, reverse):
     T, S = 33, (4,)
     rng = np.random.default_rng(5)
