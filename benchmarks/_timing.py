@@ -10,7 +10,9 @@ import time
 import jax
 
 
-def measure_many(programs: dict, *, repeats: int = 7, min_time: float = 0.0, slow=()) -> dict:
+def measure_many(
+    programs: dict, *, repeats: int = 7, min_time: float = 0.0, slow=()
+) -> dict:
     """Time several programs with their samples interleaved, round-robin.
 
     The machines we run on are shared: a slow spell hits whichever program is being
@@ -45,7 +47,10 @@ def measure_many(programs: dict, *, repeats: int = 7, min_time: float = 0.0, slo
                     break
             samples[name].append(elapsed / calls)
     return {
-        name: {"first_call_s": first[name], "median_ms": 1e3 * statistics.median(samples[name])}
+        name: {
+            "first_call_s": first[name],
+            "median_ms": 1e3 * statistics.median(samples[name]),
+        }
         for name in programs
     }
 
@@ -63,7 +68,10 @@ def machine() -> dict:
         pass
     try:
         commit = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False
+            ["git", "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            check=False,
         ).stdout.strip()
     except OSError:
         commit = ""

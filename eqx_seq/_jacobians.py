@@ -21,14 +21,14 @@ class RecurrenceJacobians(eqx.Module):
     `jax.jacfwd(..., holomorphic=True)`.
     """
 
-    states: Inexact[Array, "T *S"]
-    wrt_a: Inexact[Array, "T *S"]
-    wrt_h0: Inexact[Array, "T *S"]
+    states: Inexact[Array, " T *S"]
+    wrt_a: Inexact[Array, " T *S"]
+    wrt_h0: Inexact[Array, " T *S"]
 
 
 def recurrence_jacobians(
     a: Inexact[ArrayLike, "..."],
-    b: Inexact[ArrayLike, "T *S"],
+    b: Inexact[ArrayLike, " T *S"],
     h0: Inexact[ArrayLike, "..."] | None = None,
     *,
     scan: AbstractScan = AutoScan(),
@@ -79,7 +79,11 @@ def recurrence_jacobians(
 
 
 @eqx.filter_jit
-def _jacobians(scan: AbstractScan, reverse: bool, a: Array, b: Array, h0: Array) -> RecurrenceJacobians:
+def _jacobians(
+    scan: AbstractScan, reverse: bool, a: Array, b: Array, h0: Array
+) -> RecurrenceJacobians:
     states = _recurrence(scan, reverse, a, b, h0)
-    wrt_a, wrt_h0 = _sensitivities(scan, reverse, a, states, h0, wrt_a=True, wrt_h0=True)
+    wrt_a, wrt_h0 = _sensitivities(
+        scan, reverse, a, states, h0, wrt_a=True, wrt_h0=True
+    )
     return RecurrenceJacobians(states=states, wrt_a=wrt_a, wrt_h0=wrt_h0)

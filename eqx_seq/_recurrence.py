@@ -36,7 +36,7 @@ def _shift(x: Array, fill: Array, *, reverse: bool) -> Array:
 
 
 def _per_step(x: Array, like: Array) -> Array:
-    """A time-invariant `x` (shape `S`) given a leading time axis, to broadcast explicitly."""
+    """A time-invariant `x` (shape `S`) with a leading time axis, to broadcast."""
     return x if x.ndim == like.ndim else x[None]
 
 
@@ -72,7 +72,14 @@ def _is_zero(tangent) -> bool:
 
 
 def _sensitivities(
-    scan: AbstractScan, reverse: bool, a: Array, h: Array, h0: Array, *, wrt_a: bool, wrt_h0: bool
+    scan: AbstractScan,
+    reverse: bool,
+    a: Array,
+    h: Array,
+    h0: Array,
+    *,
+    wrt_a: bool,
+    wrt_h0: bool,
 ) -> tuple[Array | None, Array | None]:
     """Diagonal Jacobians of the states for a time-invariant `a` (shape `S`).
 
@@ -181,18 +188,22 @@ def _prepare(
         dtype = jnp.result_type(*(x for x in (a, b, h0) if x is not None))
     a = jnp.broadcast_to(a.astype(dtype), target)
     b = b.astype(dtype)
-    h0 = jnp.zeros(state_shape, dtype) if h0 is None else jnp.broadcast_to(h0.astype(dtype), state_shape)
+    h0 = (
+        jnp.zeros(state_shape, dtype)
+        if h0 is None
+        else jnp.broadcast_to(h0.astype(dtype), state_shape)
+    )
     return a, b, h0
 
 
 def linear_recurrence(
     a: Inexact[ArrayLike, "..."],
-    b: Inexact[ArrayLike, "T *S"],
+    b: Inexact[ArrayLike, " T *S"],
     h0: Inexact[ArrayLike, "..."] | None = None,
     *,
     scan: AbstractScan = AutoScan(),
     reverse: bool = False,
-) -> Inexact[Array, "T *S"]:
+) -> Inexact[Array, " T *S"]:
     r"""Solve the diagonal linear recurrence $h_t = a_t \odot h_{t-1} + b_t$.
 
     Differentiable in every mode (`jax.grad`, `jax.jacrev`, `jax.jacfwd`,

@@ -101,7 +101,14 @@ def differentiable_part(model):
 def with_params(model, params):
     (d1, d2), (b1, b2), (i1, i2) = params
     return eqx.tree_at(
-        lambda m: (m.layer1.decay, m.layer2.decay, m.layer1.B, m.layer2.B, m.layer1.h0, m.layer2.h0),
+        lambda m: (
+            m.layer1.decay,
+            m.layer2.decay,
+            m.layer1.B,
+            m.layer2.B,
+            m.layer1.h0,
+            m.layer2.h0,
+        ),
         model,
         (d1, d2, b1, b2, i1, i2),
     )
@@ -132,9 +139,13 @@ def timed(fn, *args, repeats):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--length", type=int, default=1024, help="sequence length T")
-    parser.add_argument("--state", type=int, default=32, help="state size of each layer")
+    parser.add_argument(
+        "--state", type=int, default=32, help="state size of each layer"
+    )
     parser.add_argument("--inputs", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--seed", type=int, default=0)
@@ -145,39 +156,82 @@ def main():
     model = TwoLayerModel(args.inputs, args.state, key=kmodel)
     u = jr.normal(kdata, (args.length, args.inputs))
     params = differentiable_part(model)
-    print(f"two-layer linear-recurrent model: T={args.length}, state {args.state} per layer, "
-          f"{sum(x.size for x in jax.tree.leaves(params))} differentiated parameters, "
-          f"Jacobian of h2_T ({args.state},) w.r.t. decays, B and h0 (float64, {jax.default_backend()})")
+    print(
+        f"two-layer linear-recurrent model: T={args.length}, "
+        f"state {args.state} per layer, "
+        f"{sum(x.size for x in jax.tree.leaves(params))} differentiated parameters;\n"
+        f"Jacobian of h2_T ({args.state},) w.r.t. decays, B and h0 "
+        f"(float64, {jax.default_backend()})"
+    )
 
     methods = {
-        "eqx_seq jacrev (SequentialScan)": (eqx_seq_recurrence(eqx_seq.SequentialScan()), "rev"),
-        "eqx_seq jacrev (AssociativeScan)": (eqx_seq_recurrence(eqx_seq.AssociativeScan()), "rev"),
+        "eqx_seq jacrev (SequentialScan)": (
+            eqx_seq_recurrence(eqx_seq.SequentialScan()),
+            "rev",
+        ),
+        "eqx_seq jacrev (AssociativeScan)": (
+            eqx_seq_recurrence(eqx_seq.AssociativeScan()),
+            "rev",
+        ),
         "reference: jacfwd, plain lax.scan": (plain_scan, "fwd"),
         "seed: jacrev, plain associative_scan": (plain_associative, "rev"),
     }
     results = {}
     for name, (rec, mode) in methods.items():
-        results[name] = timed(jacobian_fn(model, u, rec, mode), params, repeats=args.repeats)
+        results[name] = timed(
+            jacobian_fn(model, u, rec, mode), params, repeats=args.repeats
+        )
 
     # Structured Jacobians of layer 2: every step, diagonal, by two more recurrences.
     y1, _ = model.layer1(u, eqx_seq_recurrence(eqx_seq.AutoScan()))
     layer2_inputs = y1 @ model.layer2.B.T
     structured = jax.jit(lambda a, b, h0: eqx_seq.recurrence_jacobians(a, b, h0))
-    jac2, first, med = timed(structured, model.layer2.decay, layer2_inputs, model.layer2.h0, repeats=args.repeats)
+    jac2, first, med = timed(
+        structured,
+        model.layer2.decay,
+        layer2_inputs,
+        model.layer2.h0,
+        repeats=args.repeats,
+    )
     results["eqx_seq recurrence_jacobians (layer 2, all T steps)"] = (jac2, first, med)
 
     reference = results["reference: jacfwd, plain lax.scan"][0]
-    print("\ncheck against jax.jacfwd through a plain lax.scan (max |difference| / max |reference|):")
-    names = ["d h2_T / d decay1", "d h2_T / d decay2", "d h2_T / d B1", "d h2_T / d B2", "d h2_T / d h1_0", "d h2_T / d h2_0"]
-    for name in ["eqx_seq jacrev (SequentialScan)", "eqx_seq jacrev (AssociativeScan)", "seed: jacrev, plain associative_scan"]:
-        diffs = [relative_error(x, y) for x, y in zip(jax.tree.leaves(results[name][0]), jax.tree.leaves(reference))]
+    print(
+        "\ncheck against jax.jacfwd through a plain lax.scan "
+        "(max |difference| / max |reference|):"
+    )
+    names = [
+        "d h2_T / d decay1",
+        "d h2_T / d decay2",
+        "d h2_T / d B1",
+        "d h2_T / d B2",
+        "d h2_T / d h1_0",
+        "d h2_T / d h2_0",
+    ]
+    for name in [
+        "eqx_seq jacrev (SequentialScan)",
+        "eqx_seq jacrev (AssociativeScan)",
+        "seed: jacrev, plain associative_scan",
+    ]:
+        diffs = [
+            relative_error(x, y)
+            for x, y in zip(
+                jax.tree.leaves(results[name][0]), jax.tree.leaves(reference)
+            )
+        ]
         print(f"  {name:38s} " + "  ".join(f"{d:.1e}" for d in diffs))
         assert max(diffs) < 1e-9, f"{name} disagrees with the reference"
     print(f"  (columns: {', '.join(names)})")
     (_, ref_d2), _, (_, ref_h2) = reference
     checks = {
-        "recurrence_jacobians.wrt_a[-1] vs diag(d h2_T/d decay2)": (jac2.wrt_a[-1], jnp.diagonal(ref_d2)),
-        "recurrence_jacobians.wrt_h0[-1] vs diag(d h2_T/d h2_0)": (jac2.wrt_h0[-1], jnp.diagonal(ref_h2)),
+        "recurrence_jacobians.wrt_a[-1] vs diag(d h2_T/d decay2)": (
+            jac2.wrt_a[-1],
+            jnp.diagonal(ref_d2),
+        ),
+        "recurrence_jacobians.wrt_h0[-1] vs diag(d h2_T/d h2_0)": (
+            jac2.wrt_h0[-1],
+            jnp.diagonal(ref_h2),
+        ),
     }
     for name, (x, y) in checks.items():
         d = relative_error(x, y)

@@ -36,7 +36,9 @@ def test_recurrence_jacobians_annotations(a, b, h0):
     assert jac.wrt_a.shape == jac.wrt_h0.shape == jac.states.shape == b.shape
 
 
-@pytest.mark.parametrize("scan", [eqx_seq.SequentialScan(), eqx_seq.AssociativeScan(), eqx_seq.AutoScan()])
+@pytest.mark.parametrize(
+    "scan", [eqx_seq.SequentialScan(), eqx_seq.AssociativeScan(), eqx_seq.AutoScan()]
+)
 def test_scan_annotations(scan):
     b = jnp.ones((6, 2))
     for a in [jnp.full((2,), 0.5), jnp.full((6, 2), 0.5)]:
@@ -48,7 +50,7 @@ def test_scan_annotations(scan):
 def test_annotations_reject_wrong_shapes():
     # the checker is live: a return-shape mismatch against `b` would be caught
     @checked
-    def bad(b: Inexact[Array, "T *S"]) -> Inexact[Array, "T *S"]:
+    def bad(b: Inexact[Array, " T *S"]) -> Inexact[Array, " T *S"]:
         return b[1:]
 
     with pytest.raises(Exception, match="T"):

@@ -21,7 +21,11 @@ def blocks(text):
 
 def run_block(code):
     # documentation is read by people with default settings: no x64, standard promotion
-    with jax.enable_x64(False), jax.numpy_dtype_promotion("standard"), jax.numpy_rank_promotion("allow"):
+    with (
+        jax.enable_x64(False),
+        jax.numpy_dtype_promotion("standard"),
+        jax.numpy_rank_promotion("allow"),
+    ):
         exec(compile(code, "<doc>", "exec"), {})
 
 

@@ -13,14 +13,27 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def run(*args, timeout=600):
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     out = subprocess.run(
-        [sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout
+        [sys.executable, *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
     )
     assert out.returncode == 0, out.stdout + out.stderr
     return out.stdout
 
 
 def test_recurrence_jacobians_example():
-    out = run("examples/recurrence_jacobians.py", "--length", "64", "--state", "8", "--repeats", "1")
+    out = run(
+        "examples/recurrence_jacobians.py",
+        "--length",
+        "64",
+        "--state",
+        "8",
+        "--repeats",
+        "1",
+    )
     # the script asserts its own checks; these lines show they ran
     assert "check against jax.jacfwd" in out
     assert "recurrence_jacobians.wrt_a[-1]" in out
@@ -29,5 +42,12 @@ def test_recurrence_jacobians_example():
 
 @pytest.mark.slow
 def test_bench_recurrence_quick(tmp_path):
-    out = run("benchmarks/bench_recurrence.py", "--quick", "--repeats", "1", "--json", str(tmp_path / "r.json"))
+    out = run(
+        "benchmarks/bench_recurrence.py",
+        "--quick",
+        "--repeats",
+        "1",
+        "--json",
+        str(tmp_path / "r.json"),
+    )
     assert "speed-up" in out and (tmp_path / "r.json").exists()

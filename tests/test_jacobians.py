@@ -22,18 +22,28 @@ def closed_form(a, b, h0, reverse=False):
     if reverse:
         h, s, p = closed_form(a, b[::-1], h0)
         return h[::-1], s[::-1], p[::-1]
-    a, h0 = np.broadcast_to(np.asarray(a, np.complex128), b.shape[1:]), np.asarray(h0, np.complex128)
+    a, h0 = (
+        np.broadcast_to(np.asarray(a, np.complex128), b.shape[1:]),
+        np.asarray(h0, np.complex128),
+    )
     T = len(b)
     h, s, p = (np.zeros_like(b) for _ in range(3))
     for t in range(T):
         p[t] = a ** (t + 1)
         h[t] = p[t] * h0 + sum(a ** (t - k) * b[k] for k in range(t + 1))
-        s[t] = (t + 1) * a**t * h0 + sum((t - k) * a ** (t - k - 1) * b[k] for k in range(t))
+        s[t] = (t + 1) * a**t * h0 + sum(
+            (t - k) * a ** (t - k - 1) * b[k] for k in range(t)
+        )
     return h, s, p
 
 
-CASES = list(it.product(["sequential", "associative"], [1, 9, 30], [False, True], [False, True]))
-SCANS = {"sequential": eqx_seq.SequentialScan(), "associative": eqx_seq.AssociativeScan()}
+CASES = list(
+    it.product(["sequential", "associative"], [1, 9, 30], [False, True], [False, True])
+)
+SCANS = {
+    "sequential": eqx_seq.SequentialScan(),
+    "associative": eqx_seq.AssociativeScan(),
+}
 
 
 @pytest.mark.parametrize("backend,T,complex_,reverse", CASES)
@@ -56,12 +66,19 @@ def test_against_closed_form(backend, T, complex_, reverse):
         np.testing.assert_allclose(got, expected, rtol=1e-10, atol=1e-12)
 
 
-@pytest.mark.parametrize("backend,complex_", list(it.product(["sequential", "associative"], [False, True])))
+@pytest.mark.parametrize(
+    "backend,complex_", list(it.product(["sequential", "associative"], [False, True]))
+)
 def test_diagonal_of_jacfwd(backend, complex_):
     rng = np.random.default_rng(0)
     T, N = 12, 4
-    a = jnp.asarray(rng.uniform(-0.9, 0.9, N) * (np.exp(1j * rng.uniform(-3, 3, N)) if complex_ else 1))
-    b = jnp.asarray(rng.normal(size=(T, N)) + (1j * rng.normal(size=(T, N)) if complex_ else 0))
+    a = jnp.asarray(
+        rng.uniform(-0.9, 0.9, N)
+        * (np.exp(1j * rng.uniform(-3, 3, N)) if complex_ else 1)
+    )
+    b = jnp.asarray(
+        rng.normal(size=(T, N)) + (1j * rng.normal(size=(T, N)) if complex_ else 0)
+    )
     h0 = jnp.asarray(rng.normal(size=N), b.dtype)
     scan = SCANS[backend]
     jac = eqx_seq.recurrence_jacobians(a, b, h0, scan=scan)
@@ -73,7 +90,9 @@ def test_diagonal_of_jacfwd(backend, complex_):
 
     da, dh0 = dense(a, h0)  # (T, N, N) each: diagonal in the last two axes
     for structured, full in [(jac.wrt_a, da), (jac.wrt_h0, dh0)]:
-        np.testing.assert_allclose(structured, jnp.diagonal(full, axis1=1, axis2=2), rtol=1e-12, atol=1e-12)
+        np.testing.assert_allclose(
+            structured, jnp.diagonal(full, axis1=1, axis2=2), rtol=1e-12, atol=1e-12
+        )
         off_diagonal = jnp.where(jnp.eye(N, dtype=bool)[None], 0, full)
         assert jnp.all(off_diagonal == 0)
 
@@ -96,10 +115,16 @@ def test_vmap_jit_and_differentiable():
     batched = jax.jit(jax.vmap(eqx_seq.recurrence_jacobians))(a, b)
     for i in range(5):
         single = eqx_seq.recurrence_jacobians(a[i], b[i])
-        assert eqx.tree_equal(jax.tree.map(lambda x: x[i], batched), single, rtol=1e-12, atol=1e-12)
+        assert eqx.tree_equal(
+            jax.tree.map(lambda x: x[i], batched), single, rtol=1e-12, atol=1e-12
+        )
     # wrt_a is itself differentiable: its derivative w.r.t. a is the second derivative
-    second = jax.grad(lambda a: eqx_seq.recurrence_jacobians(a, b[0]).wrt_a[-1].sum())(a[0])
-    expected = jnp.diagonal(jax.hessian(lambda a: eqx_seq.linear_recurrence(a, b[0])[-1].sum())(a[0]))
+    second = jax.grad(lambda a: eqx_seq.recurrence_jacobians(a, b[0]).wrt_a[-1].sum())(
+        a[0]
+    )
+    expected = jnp.diagonal(
+        jax.hessian(lambda a: eqx_seq.linear_recurrence(a, b[0])[-1].sum())(a[0])
+    )
     np.testing.assert_allclose(second, expected, rtol=1e-10)
 
 

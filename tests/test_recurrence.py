@@ -22,7 +22,10 @@ BACKENDS = {
 
 def numpy_recurrence(a, b, h0=None, reverse=False):
     """Textbook loop in float64/complex128: h_t = a_t h_{t-1} + b_t."""
-    b = np.asarray(b, dtype=np.complex128 if np.iscomplexobj(b) or np.iscomplexobj(a) else np.float64)
+    b = np.asarray(
+        b,
+        dtype=np.complex128 if np.iscomplexobj(b) or np.iscomplexobj(a) else np.float64,
+    )
     a = np.asarray(a, dtype=b.dtype)
     if a.ndim < b.ndim:
         a = np.broadcast_to(a, b.shape)
@@ -36,7 +39,7 @@ def numpy_recurrence(a, b, h0=None, reverse=False):
 
 
 def jax_loop(a, b, h0, reverse=False):
-    """The same loop in unrolled jax.numpy: autodiff of it is an independent reference."""
+    """The same loop in unrolled jax.numpy; its autodiff is an independent reference."""
     a = jnp.broadcast_to(a, b.shape) if a.ndim < b.ndim else a
     h, out = h0, [None] * b.shape[0]
     steps = range(b.shape[0] - 1, -1, -1) if reverse else range(b.shape[0])
@@ -84,7 +87,9 @@ def test_values_match_numpy_loop(backend, T, S, time_invariant, complex_, revers
 @pytest.mark.parametrize("backend", ["sequential", "associative"])
 def test_long_float32(backend):
     rng = np.random.default_rng(0)
-    a, b, h0 = make_inputs(rng, 1024, (16,), time_invariant=True, complex_=True, dtype=np.float32)
+    a, b, h0 = make_inputs(
+        rng, 1024, (16,), time_invariant=True, complex_=True, dtype=np.float32
+    )
     a = (a / np.abs(a) * 0.999).astype(np.complex64)  # slow decay: long memory
     got = eqx_seq.linear_recurrence(a, b, h0, scan=BACKENDS[backend])
     assert got.dtype == jnp.complex64
@@ -96,16 +101,24 @@ def test_long_float32(backend):
 def test_no_initial_state_means_zeros():
     rng = np.random.default_rng(1)
     a, b, _ = make_inputs(rng, 9, (4,), time_invariant=False, complex_=False)
-    np.testing.assert_allclose(eqx_seq.linear_recurrence(a, b), numpy_recurrence(a, b), rtol=1e-12)
+    np.testing.assert_allclose(
+        eqx_seq.linear_recurrence(a, b), numpy_recurrence(a, b), rtol=1e-12
+    )
 
 
 def test_broadcasting_and_promotion():
-    # scalar shared decay, scalar h0, leading size-1 time axis, real decay with complex b
+    # shared scalar decay, scalar h0, leading size-1 time axis, real a with complex b
     b = (np.arange(12.0).reshape(4, 3) + 1j).astype(np.complex64)
-    for a in [np.float32(0.5), np.full((1, 3), 0.5, np.float32), np.full((3,), 0.5, np.float32)]:
+    for a in [
+        np.float32(0.5),
+        np.full((1, 3), 0.5, np.float32),
+        np.full((3,), 0.5, np.float32),
+    ]:
         got = eqx_seq.linear_recurrence(a, b, np.float32(2.0))
         assert got.dtype == jnp.complex64
-        np.testing.assert_allclose(got, numpy_recurrence(np.full(3, 0.5), b, np.full(3, 2.0)), rtol=1e-6)
+        np.testing.assert_allclose(
+            got, numpy_recurrence(np.full(3, 0.5), b, np.full(3, 2.0)), rtol=1e-6
+        )
     # a per-step decay shared across the state: (T, 1)
     a = np.linspace(0.1, 0.9, 4)[:, None]
     np.testing.assert_allclose(
@@ -135,16 +148,31 @@ def make_loss(fn, complex_, shape):
     return loss
 
 
-GRAD_CASES = list(it.product(["sequential", "associative"], [True, False], [False, True], [False, True]))
+GRAD_CASES = list(
+    it.product(
+        ["sequential", "associative"], [True, False], [False, True], [False, True]
+    )
+)
 
 
 @pytest.mark.parametrize("backend,time_invariant,complex_,reverse", GRAD_CASES)
 def test_gradients(backend, time_invariant, complex_, reverse):
     T, S = 11, (2, 3)
     rng = np.random.default_rng(2)
-    a, b, h0 = (jnp.asarray(x) for x in make_inputs(rng, T, S, time_invariant=time_invariant, complex_=complex_))
+    a, b, h0 = (
+        jnp.asarray(x)
+        for x in make_inputs(
+            rng, T, S, time_invariant=time_invariant, complex_=complex_
+        )
+    )
     scan = BACKENDS[backend]
-    ours = make_loss(lambda a, b, h0: eqx_seq.linear_recurrence(a, b, h0, scan=scan, reverse=reverse), complex_, (T, *S))
+    ours = make_loss(
+        lambda a, b, h0: eqx_seq.linear_recurrence(
+            a, b, h0, scan=scan, reverse=reverse
+        ),
+        complex_,
+        (T, *S),
+    )
     ref = make_loss(lambda a, b, h0: jax_loop(a, b, h0, reverse), complex_, (T, *S))
 
     # reverse mode, all arguments together and each alone (each alone takes the
@@ -164,21 +192,30 @@ def test_gradients(backend, time_invariant, complex_, reverse):
     eps = 1e-6
     jitted = jax.jit(ours)
     for i, x in enumerate((a, b, h0)):
-        v = rng.normal(size=x.shape) + (1j * rng.normal(size=x.shape) if complex_ else 0)
+        v = rng.normal(size=x.shape) + (
+            1j * rng.normal(size=x.shape) if complex_ else 0
+        )
         v = jnp.asarray(v, x.dtype)
         args_p = [a, b, h0]
         args_m = [a, b, h0]
         args_p[i] = x + eps * v
         args_m[i] = x - eps * v
         fd = (jitted(*args_p) - jitted(*args_m)) / (2 * eps)
-        np.testing.assert_allclose(jnp.real(jnp.sum(got[i] * v)), fd, rtol=1e-6, atol=1e-7)
+        np.testing.assert_allclose(
+            jnp.real(jnp.sum(got[i] * v)), fd, rtol=1e-6, atol=1e-7
+        )
 
 
 @pytest.mark.parametrize("backend,time_invariant,complex_,reverse", GRAD_CASES)
 def test_jacfwd_equals_jacrev(backend, time_invariant, complex_, reverse):
     T, S = 6, (3,)
     rng = np.random.default_rng(3)
-    a, b, h0 = (jnp.asarray(x) for x in make_inputs(rng, T, S, time_invariant=time_invariant, complex_=complex_))
+    a, b, h0 = (
+        jnp.asarray(x)
+        for x in make_inputs(
+            rng, T, S, time_invariant=time_invariant, complex_=complex_
+        )
+    )
     scan = BACKENDS[backend]
     f = lambda a, b, h0: eqx_seq.linear_recurrence(a, b, h0, scan=scan, reverse=reverse)
     # (0, 2): `b` unperturbed, the sensitivity path for a time-invariant decay;
@@ -196,13 +233,21 @@ def test_jacfwd_equals_jacrev(backend, time_invariant, complex_, reverse):
         assert eqx.tree_equal(fwd, ref, rtol=1e-12, atol=1e-12)
 
 
-@pytest.mark.parametrize("backend,time_invariant", list(it.product(["sequential", "associative"], [True, False])))
+@pytest.mark.parametrize(
+    "backend,time_invariant",
+    list(it.product(["sequential", "associative"], [True, False])),
+)
 def test_hessian(backend, time_invariant):
     T, S = 5, (2,)
     rng = np.random.default_rng(4)
-    a, b, h0 = (jnp.asarray(x) for x in make_inputs(rng, T, S, time_invariant=time_invariant, complex_=False))
+    a, b, h0 = (
+        jnp.asarray(x)
+        for x in make_inputs(rng, T, S, time_invariant=time_invariant, complex_=False)
+    )
     scan = BACKENDS[backend]
-    ours = make_loss(lambda a, b, h0: eqx_seq.linear_recurrence(a, b, h0, scan=scan), False, (T, *S))
+    ours = make_loss(
+        lambda a, b, h0: eqx_seq.linear_recurrence(a, b, h0, scan=scan), False, (T, *S)
+    )
     ref = make_loss(jax_loop, False, (T, *S))
     for argnums in [0, (0, 1, 2)]:
         got = jax.jit(jax.hessian(ours, argnums=argnums))(a, b, h0)
@@ -212,17 +257,36 @@ def test_hessian(backend, time_invariant):
     v = jnp.asarray(rng.normal(size=a.shape))
     g = jax.jit(jax.grad(ours))
     fd = (g(a + 1e-6 * v, b, h0) - g(a - 1e-6 * v, b, h0)) / 2e-6
-    np.testing.assert_allclose(jax.jit(jax.hessian(ours))(a, b, h0).reshape(a.size, a.size) @ v.ravel(), fd.ravel(), rtol=1e-6, atol=1e-8)
+    np.testing.assert_allclose(
+        jax.jit(jax.hessian(ours))(a, b, h0).reshape(a.size, a.size) @ v.ravel(),
+        fd.ravel(),
+        rtol=1e-6,
+        atol=1e-8,
+    )
 
 
-@pytest.mark.parametrize("time_invariant,complex_,reverse", list(it.product([True, False], [False, True], [False, True])))
+@pytest.mark.parametrize(
+    "time_invariant,complex_,reverse",
+    list(it.product([True, False], [False, True], [False, True])),
+)
 def test_backends_agree(time_invariant, complex_, reverse):
     T, S = 33, (4,)
     rng = np.random.default_rng(5)
-    a, b, h0 = (jnp.asarray(x) for x in make_inputs(rng, T, S, time_invariant=time_invariant, complex_=complex_))
+    a, b, h0 = (
+        jnp.asarray(x)
+        for x in make_inputs(
+            rng, T, S, time_invariant=time_invariant, complex_=complex_
+        )
+    )
     results = []
     for scan in BACKENDS.values():
-        loss = make_loss(lambda a, b, h0: eqx_seq.linear_recurrence(a, b, h0, scan=scan, reverse=reverse), complex_, (T, *S))
+        loss = make_loss(
+            lambda a, b, h0: eqx_seq.linear_recurrence(
+                a, b, h0, scan=scan, reverse=reverse
+            ),
+            complex_,
+            (T, *S),
+        )
         results.append(jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))(a, b, h0))
     for r in results[1:]:
         assert eqx.tree_equal(r, results[0], rtol=1e-10, atol=1e-10)
@@ -230,21 +294,35 @@ def test_backends_agree(time_invariant, complex_, reverse):
 
 def test_vmap_and_jit():
     rng = np.random.default_rng(6)
-    batch = [make_inputs(rng, 10, (3,), time_invariant=True, complex_=False) for _ in range(4)]
+    batch = [
+        make_inputs(rng, 10, (3,), time_invariant=True, complex_=False)
+        for _ in range(4)
+    ]
     a, b, h0 = (jnp.stack(x) for x in zip(*batch))
     for scan in [eqx_seq.SequentialScan(), eqx_seq.AssociativeScan()]:
-        f = jax.jit(jax.vmap(lambda a, b, h0: eqx_seq.linear_recurrence(a, b, h0, scan=scan)))
+        f = jax.jit(
+            jax.vmap(lambda a, b, h0: eqx_seq.linear_recurrence(a, b, h0, scan=scan))
+        )
         got = f(a, b, h0)
         for i in range(4):
             np.testing.assert_allclose(got[i], numpy_recurrence(*batch[i]), rtol=1e-12)
-        loss = lambda a, b, h0: jnp.sum(eqx_seq.linear_recurrence(a, b, h0, scan=scan) ** 2)
+        loss = lambda a, b, h0: jnp.sum(
+            eqx_seq.linear_recurrence(a, b, h0, scan=scan) ** 2
+        )
         grad_single = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
         per_example = jax.jit(jax.vmap(jax.grad(loss, argnums=(0, 1, 2))))(a, b, h0)
         for i in range(4):
             single = grad_single(a[i], b[i], h0[i])
-            assert eqx.tree_equal(jax.tree.map(lambda x: x[i], per_example), single, rtol=1e-12, atol=1e-12)
+            assert eqx.tree_equal(
+                jax.tree.map(lambda x: x[i], per_example),
+                single,
+                rtol=1e-12,
+                atol=1e-12,
+            )
         # the batch dimension may also sit inside the state: one call, same numbers
-        batched_state = eqx_seq.linear_recurrence(a, jnp.moveaxis(b, 0, 1), h0, scan=scan)
+        batched_state = eqx_seq.linear_recurrence(
+            a, jnp.moveaxis(b, 0, 1), h0, scan=scan
+        )
         np.testing.assert_allclose(jnp.moveaxis(batched_state, 1, 0), got, rtol=1e-12)
 
 
@@ -261,7 +339,9 @@ def test_property_any_shape(T, S, time_invariant, reverse, backend, seed):
     rng = np.random.default_rng(seed)
     a, b, h0 = make_inputs(rng, T, S, time_invariant=time_invariant, complex_=False)
     got = eqx_seq.linear_recurrence(a, b, h0, scan=BACKENDS[backend], reverse=reverse)
-    np.testing.assert_allclose(got, numpy_recurrence(a, b, h0, reverse), rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(
+        got, numpy_recurrence(a, b, h0, reverse), rtol=1e-12, atol=1e-12
+    )
 
 
 # ----------------------------------------------------------------------------------
@@ -270,7 +350,9 @@ def test_property_any_shape(T, S, time_invariant, reverse, backend, seed):
 
 def test_bad_shapes():
     b = jnp.ones((5, 3))
-    with pytest.raises(ValueError, match=r"\(T, \*S\) = \(5, 3\).*S = \(3,\).*a.shape=\(4, 3\)"):
+    with pytest.raises(
+        ValueError, match=r"\(T, \*S\) = \(5, 3\).*S = \(3,\).*a.shape=\(4, 3\)"
+    ):
         eqx_seq.linear_recurrence(jnp.ones((4, 3)), b)
     with pytest.raises(ValueError, match=r"a.shape=\(4,\)"):
         eqx_seq.linear_recurrence(jnp.ones(4), b)
@@ -310,7 +392,11 @@ def test_errors_under_jit_and_vmap():
 
 
 def test_auto_scan_rule():
-    expected = eqx_seq.SequentialScan if jax.default_backend() == "cpu" else eqx_seq.AssociativeScan
+    expected = (
+        eqx_seq.SequentialScan
+        if jax.default_backend() == "cpu"
+        else eqx_seq.AssociativeScan
+    )
     assert type(eqx_seq.AutoScan().select()) is expected
 
 
@@ -322,8 +408,16 @@ def test_gradient_real_decay_complex_inputs(backend):
     a = jnp.asarray(rng.uniform(-0.9, 0.9, N))
     b = jnp.asarray(rng.normal(size=(T, N)) + 1j * rng.normal(size=(T, N)))
     h0 = jnp.asarray(rng.normal(size=N))
-    ours = make_loss(lambda a, b, h0: eqx_seq.linear_recurrence(a, b, h0, scan=BACKENDS[backend]), True, (T, N))
-    ref = make_loss(lambda a, b, h0: jax_loop(a.astype(b.dtype), b, h0.astype(b.dtype)), True, (T, N))
+    ours = make_loss(
+        lambda a, b, h0: eqx_seq.linear_recurrence(a, b, h0, scan=BACKENDS[backend]),
+        True,
+        (T, N),
+    )
+    ref = make_loss(
+        lambda a, b, h0: jax_loop(a.astype(b.dtype), b, h0.astype(b.dtype)),
+        True,
+        (T, N),
+    )
     got = jax.jit(jax.grad(ours, argnums=(0, 2)))(a, b, h0)
     expected = jax.jit(jax.grad(ref, argnums=(0, 2)))(a, b, h0)
     assert got[0].dtype == a.dtype and got[1].dtype == h0.dtype
