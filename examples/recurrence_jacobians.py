@@ -21,6 +21,7 @@ and we want the Jacobian of the final state h2_T with respect to the decays
 """
 
 import argparse
+import functools as ft
 import statistics
 import time
 
@@ -126,16 +127,23 @@ def relative_error(x, y):
     return float(jnp.max(jnp.abs(x - y)) / jnp.maximum(jnp.max(jnp.abs(y)), 1e-300))
 
 
-def timed(fn, *args, repeats):
-    start = time.perf_counter()
-    out = jax.block_until_ready(fn(*args))
-    first = time.perf_counter() - start
-    times = []
-    for _ in range(repeats):
+def timed(calls: dict, repeats: int) -> dict:
+    """name -> (output, first-call seconds, median seconds) for `name -> thunk`.
+
+    Samples are taken round-robin, so a slow spell on a shared machine slows every
+    method alike and the ratios stay meaningful.
+    """
+    outputs, first, samples = {}, {}, {name: [] for name in calls}
+    for name, call in calls.items():
         start = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - start)
-    return out, first, statistics.median(times)
+        outputs[name] = jax.block_until_ready(call())
+        first[name] = time.perf_counter() - start
+    for _ in range(repeats):
+        for name, call in calls.items():
+            start = time.perf_counter()
+            jax.block_until_ready(call())
+            samples[name].append(time.perf_counter() - start)
+    return {n: (outputs[n], first[n], statistics.median(samples[n])) for n in calls}
 
 
 def main():
@@ -176,24 +184,19 @@ def main():
         "reference: jacfwd, plain lax.scan": (plain_scan, "fwd"),
         "seed: jacrev, plain associative_scan": (plain_associative, "rev"),
     }
-    results = {}
-    for name, (rec, mode) in methods.items():
-        results[name] = timed(
-            jacobian_fn(model, u, rec, mode), params, repeats=args.repeats
-        )
-
+    calls = {
+        name: ft.partial(jacobian_fn(model, u, rec, mode), params)
+        for name, (rec, mode) in methods.items()
+    }
     # Structured Jacobians of layer 2: every step, diagonal, by two more recurrences.
     y1, _ = model.layer1(u, eqx_seq_recurrence(eqx_seq.AutoScan()))
     layer2_inputs = y1 @ model.layer2.B.T
     structured = jax.jit(lambda a, b, h0: eqx_seq.recurrence_jacobians(a, b, h0))
-    jac2, first, med = timed(
-        structured,
-        model.layer2.decay,
-        layer2_inputs,
-        model.layer2.h0,
-        repeats=args.repeats,
+    calls["eqx_seq recurrence_jacobians (layer 2, all T steps)"] = ft.partial(
+        structured, model.layer2.decay, layer2_inputs, model.layer2.h0
     )
-    results["eqx_seq recurrence_jacobians (layer 2, all T steps)"] = (jac2, first, med)
+    results = timed(calls, args.repeats)
+    jac2 = results["eqx_seq recurrence_jacobians (layer 2, all T steps)"][0]
 
     reference = results["reference: jacfwd, plain lax.scan"][0]
     print(
