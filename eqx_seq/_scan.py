@@ -61,10 +61,9 @@ class SequentialScan(AbstractScan):
     unroll: int = eqx.field(default=1, static=True)
 
     def __check_init__(self):
-        if not isinstance(self.unroll, int) or isinstance(self.unroll, bool):
-            raise ValueError(f"`unroll` must be a positive int, got {self.unroll!r}.")
-        if self.unroll < 1:
-            raise ValueError(f"`unroll` must be a positive int, got {self.unroll}.")
+        unroll = self.unroll
+        if isinstance(unroll, bool) or not isinstance(unroll, int) or unroll < 1:
+            raise ValueError(f"`unroll` must be a positive int, got {unroll!r}.")
 
     def recurrence(
         self,
