@@ -2,6 +2,7 @@
 
 import importlib.metadata
 
+from ._embedding import Embedding as Embedding
 from ._jacobians import (
     recurrence_jacobians as recurrence_jacobians,
     RecurrenceJacobians as RecurrenceJacobians,

@@ -55,3 +55,14 @@ def test_annotations_reject_wrong_shapes():
 
     with pytest.raises(Exception, match="T"):
         bad(jnp.ones((3, 2)))
+
+
+@pytest.mark.parametrize("shape", [(), (4,), (2, 3)])
+def test_embedding_annotations(shape):
+    emb = eqx_seq.Embedding.from_pretrained(
+        jnp.ones((5, 3), jnp.float32), out_of_range="clip"
+    )
+    out = checked(type(emb).__call__)(emb, jnp.zeros(shape, jnp.int32))
+    assert out.shape == (*shape, 3)
+    logits = checked(type(emb).attend)(emb, jnp.ones((*shape, 3), jnp.float32))
+    assert logits.shape == (*shape, 5)
