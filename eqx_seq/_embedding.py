@@ -44,6 +44,18 @@ class Embedding(eqx.Module):
     that does not come from the gradient, such as AdamW's weight decay, would still
     move it: exclude it from such optimizers with `eqx.partition` / `optax.masked`
     (or `eqx.filter` on a filter spec), the usual Equinox way.
+
+    !!! Example
+
+        ```python
+        import jax.random as jr
+        import eqx_seq
+
+        emb = eqx_seq.Embedding(1000, 64, padding_idx=0, key=jr.key(0))
+        ids = jr.randint(jr.key(1), (8, 128), 0, 1000)  # any shape: one gather
+        x = emb(ids)                                     # (8, 128, 64)
+        logits = emb.attend(x)                           # (8, 128, 1000), tied
+        ```
     """
 
     weight: Float[Array, "num_embeddings embedding_size"]
@@ -210,6 +222,8 @@ class Embedding(eqx.Module):
                 f"eqx_seq.Embedding needs integer ids, got dtype {ids.dtype}; "
                 "cast them, e.g. `ids.astype(jnp.int32)`."
             )
+        if jnp.iinfo(ids.dtype).bits < 32:  # room for `ids + V` below
+            ids = ids.astype(jnp.int32)
         rows = self._rows(ids)
         if self.out_of_range == "fill":
             # `take` wraps negative ids itself and fills rows outside [0, V)

@@ -37,6 +37,20 @@ def test_values_any_shape(getkey, shape):
     )  # numpy wraps negatives too
 
 
+@pytest.mark.parametrize(
+    "dtype", [jnp.int8, jnp.uint8, jnp.int16, jnp.uint32, jnp.int64]
+)
+def test_narrow_and_unsigned_ids(dtype):
+    weight = np.arange(300 * 2, dtype=np.float32).reshape(
+        300, 2
+    )  # V larger than int8 holds
+    emb = eqx_seq.Embedding.from_pretrained(weight)
+    ids = np.array([0, 5, 100, 120], np.int64)
+    if jnp.issubdtype(dtype, jnp.signedinteger):
+        ids = np.concatenate([ids, [-1, -3]])
+    np.testing.assert_array_equal(emb(jnp.asarray(ids, dtype)), weight[ids])
+
+
 def test_policy_clip_edges():
     emb = make(out_of_range="clip")
     expected_rows = [0, V - 1, V - 1, V - 1, V - 1, 0, 0, 0]

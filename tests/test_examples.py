@@ -51,3 +51,16 @@ def test_bench_recurrence_quick(tmp_path):
         str(tmp_path / "r.json"),
     )
     assert "speed-up" in out and (tmp_path / "r.json").exists()
+
+
+@pytest.mark.slow
+def test_bench_embedding_quick(tmp_path):
+    out = run(
+        "benchmarks/bench_embedding.py",
+        "--quick",
+        "--repeats",
+        "1",
+        "--json",
+        str(tmp_path / "e.json"),
+    )
+    assert "raw jnp.take (anchor)" in out and (tmp_path / "e.json").exists()
