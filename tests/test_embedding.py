@@ -202,3 +202,27 @@ def test_bad_input(getkey):
         eqx_seq.Embedding.from_pretrained(jnp.ones((2, 2), jnp.int32))
     with pytest.raises(ValueError, match="shape"):
         eqx_seq.Embedding(3, D, weight=WEIGHT)
+
+
+def _gathers(jaxpr):
+    found = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "gather":
+            found.append(eqn)
+        for param in eqn.params.values():
+            inner = getattr(param, "jaxpr", None)
+            if inner is not None:
+                found += _gathers(getattr(inner, "jaxpr", inner))
+    return found
+
+
+@pytest.mark.parametrize("policy", ["error", "clip", "fill"])
+def test_one_canonical_gather(policy):
+    # one gather for the whole index array, with one index column and the row
+    # dimension collapsed: the form accelerators fuse (equinox issue 920)
+    emb = make(out_of_range=policy)
+    ids = jnp.zeros((4, 6), jnp.int32)
+    (gather,) = _gathers(jax.make_jaxpr(lambda e, i: e(i))(emb, ids).jaxpr)
+    numbers = gather.params["dimension_numbers"]
+    assert gather.invars[1].aval.shape == (4, 6, 1)
+    assert numbers.start_index_map == (0,) and numbers.collapsed_slice_dims == (0,)
