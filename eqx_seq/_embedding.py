@@ -212,8 +212,9 @@ class Embedding(eqx.Module):
 
         **Raises:**
 
-        `ValueError` at trace time for non-integer ids; at run time, an error for
-        out-of-range ids under `out_of_range="error"`.
+        `ValueError` at trace time for non-integer ids; at run time, a
+        `RuntimeError` (from `eqx.error_if`) for out-of-range ids under
+        `out_of_range="error"`.
         """
         del key
         ids = jnp.asarray(ids)
