@@ -9,6 +9,8 @@ import jax.numpy as jnp
 import jax.random as jr
 from jaxtyping import Array, ArrayLike, Float, Inexact, Int, PRNGKeyArray
 
+from ._misc import check_positive_int
+
 
 _POLICIES = ("error", "clip", "fill")
 
@@ -107,12 +109,8 @@ class Embedding(eqx.Module):
                     "Give `eqx_seq.Embedding(num_embeddings, embedding_size, key=...)` "
                     "or `eqx_seq.Embedding(weight=...)`."
                 )
-            for name, size in (
-                ("num_embeddings", num_embeddings),
-                ("embedding_size", embedding_size),
-            ):
-                if not isinstance(size, int) or isinstance(size, bool) or size < 1:
-                    raise ValueError(f"`{name}` must be a positive int, got {size!r}.")
+            check_positive_int("num_embeddings", num_embeddings)
+            check_positive_int("embedding_size", embedding_size)
             param_dtype = jnp.float32 if param_dtype is None else param_dtype
             weight = jr.normal(key, (num_embeddings, embedding_size), param_dtype)
         else:

@@ -13,6 +13,8 @@ import jax.lax as lax
 import jax.numpy as jnp
 from jaxtyping import Array, Inexact
 
+from ._misc import check_positive_int
+
 
 class AbstractScan(eqx.Module):
     """Abstract base class for recurrence backends.
@@ -61,9 +63,7 @@ class SequentialScan(AbstractScan):
     unroll: int = eqx.field(default=1, static=True)
 
     def __check_init__(self):
-        unroll = self.unroll
-        if isinstance(unroll, bool) or not isinstance(unroll, int) or unroll < 1:
-            raise ValueError(f"`unroll` must be a positive int, got {unroll!r}.")
+        check_positive_int("unroll", self.unroll)
 
     def recurrence(
         self,
