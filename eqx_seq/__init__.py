@@ -2,18 +2,26 @@
 
 import importlib.metadata
 
+from ._diagonal_ssm import (
+    AbstractDiagonalSSM as AbstractDiagonalSSM,
+    SSMJacobians as SSMJacobians,
+)
 from ._embedding import Embedding as Embedding
 from ._jacobians import (
     recurrence_jacobians as recurrence_jacobians,
     RecurrenceJacobians as RecurrenceJacobians,
 )
+from ._lru import LRU as LRU
 from ._recurrence import linear_recurrence as linear_recurrence
+from ._s5 import S5 as S5
+from ._s5_block import S5Block as S5Block
 from ._scan import (
     AbstractScan as AbstractScan,
     AssociativeScan as AssociativeScan,
     AutoScan as AutoScan,
     SequentialScan as SequentialScan,
 )
+from ._ssm_labels import ssm_param_labels as ssm_param_labels
 
 
 try:

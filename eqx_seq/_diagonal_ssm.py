@@ -1,0 +1,361 @@
+"""What S5 and LRU share: a diagonal complex state-space layer on top of the recurrence.
+
+    h_t = decay_t * h_{t-1} + gain_t * (B u_t),    y_t = scale * Re(C h_t) + D * u_t
+
+with `decay`, `gain` of shape `(P,)` (or `(T, P)` for irregular steps) computed by the
+concrete layer from its per-state parameters, `B` `(P, H)` and `C` `(H, P)` complex
+(stored as real `(..., 2)` pairs, so optimisers and `jax.grad` only see real arrays).
+The states come from `eqx_seq.linear_recurrence`, so the layer's gradients are its
+adjoint (one reverse recurrence), never autodiff through a scan.
+"""
+
+import abc
+from typing import ClassVar
+
+import equinox as eqx
+import jax
+import jax.lax as lax
+import jax.numpy as jnp
+import jax.random as jr
+from jaxtyping import Array, ArrayLike, Complex, Float, PRNGKeyArray, Real
+
+from ._recurrence import linear_recurrence
+from ._scan import AbstractScan
+
+
+def complex_dtype(dtype) -> jnp.dtype:
+    """The complex dtype with the precision of the real `dtype`."""
+    return jnp.dtype(jnp.complex128 if jnp.finfo(dtype).bits > 32 else jnp.complex64)
+
+
+def as_complex(pair: Array) -> Array:
+    """A real array of `(re, im)` pairs on its last axis, as one complex array."""
+    return lax.complex(pair[..., 0], pair[..., 1])
+
+
+def lecun_pair(key: PRNGKeyArray, shape: tuple[int, ...], fan_in: int, dtype) -> Array:
+    """Real and imaginary parts, each normal with variance `1 / (2 fan_in)`."""
+    return jr.normal(key, (*shape, 2), dtype) * (0.5 / fan_in) ** 0.5
+
+
+class SSMJacobians(eqx.Module):
+    """Diagonal Jacobians of a diagonal SSM layer's states w.r.t. its parameters.
+
+    State `p` depends only on row `p` of each per-state parameter, on row `p` of `B`
+    and on `h0[p]`, so every Jacobian is diagonal in the state index and is returned
+    as its diagonal. With `T` steps (or `T = 1` for `final=True`, without the axis):
+
+    - `states`: `(T, P)` complex, the states $h_t$.
+    - `wrt`: a dict from each per-state parameter field name (for `eqx_seq.S5`:
+        `"lambda_re"`, `"lambda_im"`, `"log_step"`; for `eqx_seq.LRU`: `"nu_log"`,
+        `"theta_log"`, `"gamma_log"`) to `(T, P)` complex:
+        `wrt[name][t, p]` $= \\partial h_t[p] / \\partial\\,$`name[p]`.
+    - `wrt_B`: `(T, P, H)` complex, $\\partial h_t[p] / \\partial$ `B[p, k, 0]` (the
+        real part of $\\tilde B_{pk}$); the derivative w.r.t. the imaginary part
+        `B[p, k, 1]` is `1j * wrt_B`.
+    - `wrt_h0`: `(T, P)` complex, $\\partial h_t[p] / \\partial h_0[p]$ (holomorphic).
+    """
+
+    states: Complex[Array, "*T P"]
+    wrt: dict[str, Complex[Array, "*T P"]]
+    wrt_B: Complex[Array, "*T P H"]
+    wrt_h0: Complex[Array, "*T P"]
+
+
+class AbstractDiagonalSSM(eqx.Module):
+    """Abstract base class of the diagonal complex state-space layers S5 and LRU.
+
+    A concrete layer sets the fields below and implements `_discretise`; everything
+    else (the parallel call, step mode, streaming, parameter Jacobians) lives here.
+    """
+
+    B: eqx.AbstractVar[Float[Array, "P H 2"]]
+    C: eqx.AbstractVar[Float[Array, "H P 2"]]
+    C_backward: eqx.AbstractVar[Float[Array, "H P 2"] | None]
+    D: eqx.AbstractVar[Float[Array, " H"]]
+    input_size: eqx.AbstractVar[int]
+    scan: eqx.AbstractVar[AbstractScan]
+
+    # Names of the fields with one entry per state (shape `(P,)`), in the order
+    # `SSMJacobians.wrt` reports them; the optimiser labels use them too.
+    per_state_fields: ClassVar[tuple[str, ...]]
+
+    @property
+    @abc.abstractmethod
+    def output_scale(self) -> float:
+        """`y = output_scale * Re(C h) + D u`: 2 when only one of each conjugate pair
+        of states is kept (S5's `conj_sym`), else 1."""
+
+    @abc.abstractmethod
+    def _discretise(
+        self, dt: Array | None
+    ) -> tuple[Complex[Array, "*T P"], Complex[Array, "*T P"]]:
+        """`(decay, gain)` for relative steps `dt` (shape `()`, `(T,)` or `None`)."""
+
+    @property
+    def num_states(self) -> int:
+        """`P`, the number of complex states in the recurrence (the size of `h0`)."""
+        return self.B.shape[0]
+
+    @property
+    def bidirectional(self) -> bool:
+        """Whether a second recurrence runs backwards in time (non-causal)."""
+        return self.C_backward is not None
+
+    # ---------------------------------------------------------------- validation
+
+    def _name(self) -> str:
+        return type(self).__name__
+
+    def _check_inputs(self, u: Array, dt, h0, *, streaming: bool) -> tuple:
+        name = self._name()
+        u = jnp.asarray(u)
+        if u.ndim != 2 or u.shape[0] == 0 or u.shape[1] != self.input_size:
+            raise ValueError(
+                f"`{name}` takes one unbatched sequence of shape (T, input_size) = "
+                f"(T, {self.input_size}) with T >= 1, got shape {u.shape}; use "
+                "`jax.vmap` for a batch."
+            )
+        if not jnp.issubdtype(u.dtype, jnp.floating):
+            raise ValueError(f"`{name}` needs a real floating input, got {u.dtype}.")
+        if dt is not None:
+            dt = jnp.asarray(dt)
+            if dt.shape != (u.shape[0],):
+                raise ValueError(
+                    f"`dt` must have one relative step per time step, shape "
+                    f"(T,) = ({u.shape[0]},), got shape {dt.shape}."
+                )
+            if not jnp.issubdtype(dt.dtype, jnp.floating):
+                raise ValueError(f"`dt` must be real floating, got {dt.dtype}.")
+        if h0 is not None:
+            if self.bidirectional:
+                raise ValueError(
+                    f"`h0` is for causal (streaming) use; this `{name}` is "
+                    "bidirectional, so its output depends on the future as well."
+                )
+            h0 = jnp.asarray(h0)
+            if h0.shape != (self.num_states,):
+                raise ValueError(
+                    f"`h0` (or the step-mode state) must be one state of shape "
+                    f"({self.num_states},), got shape {h0.shape}."
+                )
+        if streaming and self.bidirectional:
+            raise ValueError(
+                f"Step mode and streaming need a causal layer; this `{name}` is "
+                "bidirectional."
+            )
+        return u, dt, h0
+
+    def _real_dtype(self, *arrays) -> jnp.dtype:
+        with jax.numpy_dtype_promotion("standard"):
+            return jnp.result_type(self.D.dtype, *arrays)
+
+    # ------------------------------------------------------------------- pieces
+
+    def _drive(self, u: Array) -> Array:
+        """`B u_t` for every step: `(T, P)` complex, from two real matmuls."""
+        B = self.B.astype(u.dtype)
+        return lax.complex(u @ B[..., 0].T, u @ B[..., 1].T)
+
+    def _read_out(self, C: Array, h: Array) -> Array:
+        """`output_scale * Re(C h_t)` for every step: `(..., H)` real."""
+        C = C.astype(h.real.dtype)
+        y = h.real @ C[..., 0].T - h.imag @ C[..., 1].T
+        return self.output_scale * y
+
+    def _coefficients(self, dt: Array | None, dtype) -> tuple[Array, Array]:
+        decay, gain = self._discretise(dt)
+        cdtype = complex_dtype(dtype)
+        return decay.astype(cdtype), gain.astype(cdtype)
+
+    def _states(
+        self, u: Array, dt: Array | None, h0: Array | None, *, reverse: bool = False
+    ) -> Array:
+        if reverse and dt is not None:
+            # Backwards, step t follows step t + 1: it decays over the interval
+            # between them, dt[t + 1] (the last step reuses its own interval).
+            dt = jnp.concatenate([dt[1:], dt[-1:]])
+        decay, gain = self._coefficients(dt, u.dtype)
+        b = gain * self._drive(u) if gain.ndim == 2 else gain[None] * self._drive(u)
+        return linear_recurrence(decay, b, h0, scan=self.scan, reverse=reverse)
+
+    # ------------------------------------------------------------------- public
+
+    def __call__(
+        self,
+        u: Real[ArrayLike, " T H"],
+        *,
+        dt: Real[ArrayLike, " T"] | None = None,
+        h0: Complex[ArrayLike, " P"] | None = None,
+        key: PRNGKeyArray | None = None,
+    ) -> Float[Array, " T H"]:
+        """Run the layer over a whole sequence (the parallel or "convolution" mode).
+
+        **Arguments:**
+
+        - `u`: the input sequence, shape `(T, input_size)`, time on axis 0. One
+            example: `jax.vmap` over a batch.
+        - `dt`: optional relative step sizes, shape `(T,)`: `dt[t]` is the time from
+            observation `t - 1` to `t` in units of the learned step (irregular
+            sampling). `None` means all ones.
+        - `h0`: optional initial state, shape `(num_states,)` complex (causal
+            layers only): continue from the state a previous chunk ended in.
+        - `key`: ignored; for compatibility with the rest of the Equinox API.
+
+        **Returns:**
+
+        The output sequence, shape `(T, input_size)`, real.
+        """
+        del key
+        u, dt, h0 = self._check_inputs(u, dt, h0, streaming=False)
+        u = u.astype(self._real_dtype(u))
+        y = self._read_out(self.C, self._states(u, dt, h0))
+        if self.C_backward is not None:
+            y = y + self._read_out(
+                self.C_backward, self._states(u, dt, None, reverse=True)
+            )
+        return y + self.D.astype(u.dtype)[None] * u
+
+    def final_state(
+        self,
+        u: Real[ArrayLike, " T H"],
+        *,
+        dt: Real[ArrayLike, " T"] | None = None,
+        h0: Complex[ArrayLike, " P"] | None = None,
+    ) -> Complex[Array, " P"]:
+        """The state after the last step of `u`, for streaming in chunks.
+
+        Calling the layer on chunk after chunk, each with `h0=` the `final_state` of
+        the chunks so far, gives the same outputs as one call on the whole sequence.
+
+        **Arguments:** as for `__call__`.
+
+        **Returns:**
+
+        The state $h_{T-1}$, shape `(num_states,)` complex.
+        """
+        u, dt, h0 = self._check_inputs(u, dt, h0, streaming=True)
+        u = u.astype(self._real_dtype(u))
+        return self._states(u, dt, h0)[-1]
+
+    def init_state(self) -> Complex[Array, " P"]:
+        """The zero state to start step mode from: shape `(num_states,)`, complex."""
+        if self.bidirectional:
+            raise ValueError(
+                f"Step mode needs a causal layer; this `{self._name()}` is "
+                "bidirectional."
+            )
+        return jnp.zeros(self.num_states, complex_dtype(self.D.dtype))
+
+    def step(
+        self,
+        state: Complex[ArrayLike, " P"],
+        u_t: Real[ArrayLike, " H"],
+        *,
+        dt: Real[ArrayLike, ""] | None = None,
+    ) -> tuple[Complex[Array, " P"], Float[Array, " H"]]:
+        """One step of the recurrence (RNN mode), for generation or control.
+
+        Stepping through a sequence from `init_state()` gives the same outputs as
+        the parallel `__call__`, to float tolerance.
+
+        **Arguments:**
+
+        - `state`: the previous state, shape `(num_states,)`.
+        - `u_t`: this step's input, shape `(input_size,)`.
+        - `dt`: optional relative step size (a scalar), as in `__call__`.
+
+        **Returns:**
+
+        `(state, y_t)`: the new state and this step's output, shape `(input_size,)`.
+        """
+        u_t = jnp.asarray(u_t)
+        dt_seq = None if dt is None else jnp.reshape(jnp.asarray(dt), (1,))
+        if u_t.shape != (self.input_size,):
+            raise ValueError(
+                f"`step` takes one input of shape ({self.input_size},), got shape "
+                f"{u_t.shape}."
+            )
+        u, dt_seq, state = self._check_inputs(u_t[None], dt_seq, state, streaming=True)
+        u = u.astype(self._real_dtype(u))
+        decay, gain = self._coefficients(dt_seq, u.dtype)
+        decay, gain = (decay[0], gain[0]) if decay.ndim == 2 else (decay, gain)
+        state = decay * state.astype(decay.dtype) + gain * self._drive(u)[0]
+        y = self._read_out(self.C, state) + self.D.astype(u.dtype) * u[0]
+        return state, y
+
+    def parameter_jacobians(
+        self,
+        u: Real[ArrayLike, " T H"],
+        *,
+        dt: Real[ArrayLike, " T"] | None = None,
+        h0: Complex[ArrayLike, " P"] | None = None,
+        final: bool = False,
+    ) -> SSMJacobians:
+        """Jacobians of the states w.r.t. the SSM parameters, in structured form.
+
+        Every Jacobian is diagonal in the state index (see [`eqx_seq.SSMJacobians`][]).
+        The per-state parameters and `h0` cost one more recurrence each (a forward
+        tangent through [`eqx_seq.linear_recurrence`][] with an all-ones direction,
+        chained through the discretisation by JAX); `B` costs one recurrence over
+        `(T, P, H)` for all steps, or, with `final=True`, one reverse recurrence and
+        one matmul.
+
+        **Arguments:**
+
+        - `u`, `dt`, `h0`: as for `__call__` (causal layers only).
+        - `final`: if `True`, only the Jacobians of the last state $h_{T-1}$ (no
+            time axis in the results).
+
+        **Returns:**
+
+        An [`eqx_seq.SSMJacobians`][].
+        """
+        u, dt, h0 = self._check_inputs(u, dt, h0, streaming=True)
+        u = u.astype(self._real_dtype(u))
+        cdtype = complex_dtype(u.dtype)
+        h0 = jnp.zeros(self.num_states, cdtype) if h0 is None else h0.astype(cdtype)
+        params = {name: getattr(self, name) for name in self.per_state_fields}
+        params["h0"] = h0
+
+        def states(params):
+            layer = eqx.tree_at(
+                lambda m: [getattr(m, n) for n in self.per_state_fields],
+                self,
+                [params[n] for n in self.per_state_fields],
+            )
+            return layer._states(u, dt, params["h0"])
+
+        def tangent(name):
+            return {k: jnp.full_like(v, k == name) for k, v in params.items()}
+
+        names = [*self.per_state_fields, "h0"]
+        directions = jax.tree.map(lambda *xs: jnp.stack(xs), *map(tangent, names))
+        h, dh = jax.vmap(
+            lambda d: jax.jvp(states, (params,), (d,)), out_axes=(None, 0)
+        )(directions)
+        wrt = {name: dh[i] for i, name in enumerate(self.per_state_fields)}
+        wrt_h0 = dh[-1]
+
+        decay, gain = self._coefficients(dt, u.dtype)
+        gain = gain if gain.ndim == 2 else jnp.broadcast_to(gain, h.shape)
+        u_c = u.astype(cdtype)
+        if final:
+            # dh_{T-1} / db_t = prod_{s > t} decay_s: one reverse recurrence.
+            if decay.ndim == 2:
+                decay = jnp.concatenate([decay[1:], jnp.ones_like(decay[:1])])
+            last = jnp.zeros_like(h).at[-1].set(1)
+            w = linear_recurrence(decay, last, scan=self.scan, reverse=True)
+            wrt_B = (w * gain).T @ u_c
+            return SSMJacobians(
+                states=h[-1],
+                wrt={k: v[-1] for k, v in wrt.items()},
+                wrt_B=wrt_B,
+                wrt_h0=wrt_h0[-1],
+            )
+        # e_t[p, k] = decay_t[p] e_{t-1}[p, k] + gain_t[p] u_t[k]
+        decay_pk = decay[..., None]
+        wrt_B = linear_recurrence(
+            decay_pk, gain[:, :, None] * u_c[:, None, :], scan=self.scan
+        )
+        return SSMJacobians(states=h, wrt=wrt, wrt_B=wrt_B, wrt_h0=wrt_h0)

@@ -1,0 +1,66 @@
+"""Optimiser labels for the S5 recipe: SSM parameters get their own learning rate."""
+
+import equinox as eqx
+import jax
+from jaxtyping import PyTree
+
+from ._diagonal_ssm import AbstractDiagonalSSM
+
+
+def ssm_param_labels(model: PyTree) -> PyTree[str | None]:
+    """Label a model's parameters `"ssm"` or `"regular"` for `optax.multi_transform`.
+
+    S5 and LRU train their recurrence parameters with a smaller learning rate and no
+    weight decay (Smith et al., 2023; Orvieto et al., 2023). `"ssm"` marks, in every
+    [`eqx_seq.S5`][] and [`eqx_seq.LRU`][] inside `model`, the per-state parameters
+    (S5: `lambda_re`, `lambda_im`, `log_step`; LRU: `nu_log`, `theta_log`,
+    `gamma_log`) and the input matrix `B`; every other floating array is
+    `"regular"`, and everything else `None`, so the labels have the structure of
+    `eqx.filter(model, eqx.is_inexact_array)`.
+
+    **Arguments:**
+
+    - `model`: any PyTree, e.g. an Equinox model containing S5 or LRU layers.
+
+    **Returns:**
+
+    A PyTree of labels with the structure of `eqx.filter(model, eqx.is_inexact_array)`.
+
+    Pass the function itself to `optax.multi_transform`, which calls it on the
+    parameters: an Equinox model is callable, so a tree of labels shaped like one
+    would be mistaken by optax for a labelling function.
+
+    !!! Example
+
+        ```python
+        import equinox as eqx, jax.random as jr, optax
+        import eqx_seq
+
+        model = eqx_seq.S5Block(eqx_seq.S5(8, 16, key=jr.key(0)), key=jr.key(1))
+        optim = optax.multi_transform(
+            {"ssm": optax.adam(1e-3), "regular": optax.adamw(4e-3, weight_decay=0.05)},
+            eqx_seq.ssm_param_labels,
+        )
+        opt_state = optim.init(eqx.filter(model, eqx.is_inexact_array))
+        ```
+    """
+    labels = jax.tree.map(
+        lambda x: "regular" if eqx.is_inexact_array(x) else None, model
+    )
+
+    def is_ssm(x):
+        return isinstance(x, AbstractDiagonalSSM)
+
+    layers = [x for x in jax.tree.leaves(labels, is_leaf=is_ssm) if is_ssm(x)]
+    if not layers:
+        return labels
+
+    def where(tree):
+        found = [x for x in jax.tree.leaves(tree, is_leaf=is_ssm) if is_ssm(x)]
+        return [
+            getattr(layer, name)
+            for layer in found
+            for name in (*layer.per_state_fields, "B")
+        ]
+
+    return eqx.tree_at(where, labels, replace=["ssm"] * len(where(labels)))
