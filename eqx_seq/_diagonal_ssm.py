@@ -152,16 +152,21 @@ class AbstractDiagonalSSM(eqx.Module):
 
     # ------------------------------------------------------------------- pieces
 
+    # Both projections are one real matmul with the real and imaginary parts side by
+    # side: on CPU that was 2-4x faster, forward and backward, than two matmuls
+    # (or a complex one) in benchmarks/bench_s5.py's setting.
+
     def _drive(self, u: Array) -> Array:
-        """`B u_t` for every step: `(T, P)` complex, from two real matmuls."""
+        """`B u_t` for every step: `(..., P)` complex."""
         B = self.B.astype(u.dtype)
-        return lax.complex(u @ B[..., 0].T, u @ B[..., 1].T)
+        re_im = u @ jnp.concatenate([B[..., 0], B[..., 1]]).T
+        return lax.complex(re_im[..., : B.shape[0]], re_im[..., B.shape[0] :])
 
     def _read_out(self, C: Array, h: Array) -> Array:
         """`output_scale * Re(C h_t)` for every step: `(..., H)` real."""
         C = C.astype(h.real.dtype)
-        y = h.real @ C[..., 0].T - h.imag @ C[..., 1].T
-        return self.output_scale * y
+        weight = self.output_scale * jnp.concatenate([C[..., 0], -C[..., 1]], axis=-1)
+        return jnp.concatenate([h.real, h.imag], axis=-1) @ weight.T
 
     def _coefficients(self, dt: Array | None, dtype) -> tuple[Array, Array]:
         decay, gain = self._discretise(dt)
@@ -294,12 +299,13 @@ class AbstractDiagonalSSM(eqx.Module):
     ) -> SSMJacobians:
         """Jacobians of the states w.r.t. the SSM parameters, in structured form.
 
-        Every Jacobian is diagonal in the state index (see [`eqx_seq.SSMJacobians`][]).
-        The per-state parameters and `h0` cost one more recurrence each (a forward
-        tangent through [`eqx_seq.linear_recurrence`][] with an all-ones direction,
-        chained through the discretisation by JAX); `B` costs one recurrence over
-        `(T, P, H)` for all steps, or, with `final=True`, one reverse recurrence and
-        one matmul.
+        Every Jacobian is diagonal in the state index (see [`eqx_seq.SSMJacobians`][]),
+        so it is returned as its diagonal and computed by recurrences, not by
+        autodiff: the states and `dh/dh0` (one recurrence over two states), one
+        tangent recurrence per per-state parameter (all in one call; the derivatives
+        of the discretisation come from `jax.jvp` of the elementwise formulas), and
+        for `B` one recurrence over `(T, P, H)` for all steps, or, with
+        `final=True`, one matmul (plus a reverse recurrence for irregular steps).
 
         **Arguments:**
 
@@ -315,47 +321,64 @@ class AbstractDiagonalSSM(eqx.Module):
         u = u.astype(self._real_dtype(u))
         cdtype = complex_dtype(u.dtype)
         h0 = jnp.zeros(self.num_states, cdtype) if h0 is None else h0.astype(cdtype)
-        params = {name: getattr(self, name) for name in self.per_state_fields}
-        params["h0"] = h0
+        fields = self.per_state_fields
+        values = [getattr(self, name) for name in fields]
 
-        def states(params):
-            layer = eqx.tree_at(
-                lambda m: [getattr(m, n) for n in self.per_state_fields],
-                self,
-                [params[n] for n in self.per_state_fields],
-            )
-            return layer._states(u, dt, params["h0"])
+        def coefficients(values):
+            layer = eqx.tree_at(lambda m: [getattr(m, n) for n in fields], self, values)
+            return layer._coefficients(dt, u.dtype)
 
-        def tangent(name):
-            return {k: jnp.full_like(v, k == name) for k, v in params.items()}
+        def derivative(i):
+            # decay and gain are elementwise in the per-state parameters: one
+            # forward-mode pass with an all-ones direction gives their diagonals.
+            ones = [jnp.full_like(v, i == j) for j, v in enumerate(values)]
+            return jax.jvp(coefficients, (values,), (ones,))[1]
 
-        names = [*self.per_state_fields, "h0"]
-        directions = jax.tree.map(lambda *xs: jnp.stack(xs), *map(tangent, names))
-        h, dh = jax.vmap(
-            lambda d: jax.jvp(states, (params,), (d,)), out_axes=(None, 0)
-        )(directions)
-        wrt = {name: dh[i] for i, name in enumerate(self.per_state_fields)}
-        wrt_h0 = dh[-1]
-
-        decay, gain = self._coefficients(dt, u.dtype)
-        gain = gain if gain.ndim == 2 else jnp.broadcast_to(gain, h.shape)
+        (decay, gain), (d_decay, d_gain) = coefficients(values), jax.vmap(derivative)(
+            jnp.arange(len(fields))
+        )  # d_decay, d_gain: (F, P) or (F, T, P)
+        g = self._drive(u)  # B u_t, (T, P)
+        if decay.ndim == 1:  # time-invariant: a leading time axis of size one
+            decay, gain = decay[None], gain[None]
+            d_decay, d_gain = d_decay[:, None], d_gain[:, None]
+        # The states h (from h0) and p_t = dh_t/dh0 (from ones, no input), together.
+        # Time-invariant decays stay (P,): the cheaper form for the backends.
+        a = decay[0] if decay.shape[0] == 1 else decay[:, None]
+        both = linear_recurrence(
+            a,
+            jnp.stack([gain * g, jnp.zeros_like(g)], axis=1),
+            jnp.stack([h0, jnp.ones_like(h0)]),
+            scan=self.scan,
+        )
+        h, p = both[:, 0], both[:, 1]
+        # One sensitivity per field, by the tangent recurrence
+        # s_t = decay_t s_{t-1} + d_decay_t h_{t-1} + d_gain_t (B u_t).
+        previous = jnp.concatenate([h0[None], h[:-1]])
+        rhs = jnp.moveaxis(d_decay * previous[None] + d_gain * g[None], 0, 1)
+        sensitivities = linear_recurrence(a, rhs, scan=self.scan)  # (T, F, P)
+        wrt = {name: sensitivities[:, i] for i, name in enumerate(fields)}
+        gain = jnp.broadcast_to(gain, h.shape)
         u_c = u.astype(cdtype)
         if final:
-            # dh_{T-1} / db_t = prod_{s > t} decay_s: one reverse recurrence.
-            if decay.ndim == 2:
-                decay = jnp.concatenate([decay[1:], jnp.ones_like(decay[:1])])
-            last = jnp.zeros_like(h).at[-1].set(1)
-            w = linear_recurrence(decay, last, scan=self.scan, reverse=True)
-            wrt_B = (w * gain).T @ u_c
+            # dh_{T-1}/d(B u)_t = gain_t w_t, w_t = prod_{s > t} decay_s. For a
+            # time-invariant decay that is p_{T-2-t} = decay^(T-1-t), reversed;
+            # otherwise one reverse recurrence.
+            if decay.shape[0] == 1:
+                w = jnp.concatenate([jnp.flip(p[:-1], 0), jnp.ones_like(p[:1])])
+            else:
+                after = jnp.concatenate([decay[1:], jnp.ones_like(decay[:1])])
+                last = jnp.zeros_like(h).at[-1].set(1)
+                w = linear_recurrence(after, last, scan=self.scan, reverse=True)
             return SSMJacobians(
                 states=h[-1],
                 wrt={k: v[-1] for k, v in wrt.items()},
-                wrt_B=wrt_B,
-                wrt_h0=wrt_h0[-1],
+                wrt_B=(w * gain).T @ u_c,
+                wrt_h0=p[-1],
             )
         # e_t[p, k] = decay_t[p] e_{t-1}[p, k] + gain_t[p] u_t[k]
-        decay_pk = decay[..., None]
         wrt_B = linear_recurrence(
-            decay_pk, gain[:, :, None] * u_c[:, None, :], scan=self.scan
+            a[..., None] if a.ndim == 1 else decay[..., None],
+            gain[:, :, None] * u_c[:, None, :],
+            scan=self.scan,
         )
-        return SSMJacobians(states=h, wrt=wrt, wrt_B=wrt_B, wrt_h0=wrt_h0)
+        return SSMJacobians(states=h, wrt=wrt, wrt_B=wrt_B, wrt_h0=p)

@@ -66,3 +66,29 @@ def test_embedding_annotations(shape):
     assert out.shape == (*shape, 3)
     logits = checked(type(emb).attend)(emb, jnp.ones((*shape, 3), jnp.float32))
     assert logits.shape == (*shape, 5)
+
+
+@pytest.mark.parametrize("kind", ["s5", "lru"])
+def test_ssm_annotations(kind):
+    import jax.random as jr
+
+    if kind == "s5":
+        layer = eqx_seq.S5(3, 8, key=jr.key(0))
+    else:
+        layer = eqx_seq.LRU(3, 4, key=jr.key(0))
+    cls = type(layer)
+    u = jnp.ones((6, 3), jnp.float32)
+    dt = jnp.ones(6, jnp.float32) if kind == "s5" else None
+    assert checked(cls.__call__)(layer, u, dt=dt).shape == (6, 3)
+    state = checked(cls.init_state)(layer)
+    state = checked(cls.final_state)(layer, u, dt=dt, h0=state)
+    state, y = checked(cls.step)(layer, state, u[0])
+    assert state.shape == (4,) and y.shape == (3,)
+    jac = checked(cls.parameter_jacobians)(layer, u, dt=dt)
+    assert jac.wrt_B.shape == (6, 4, 3)
+    block = eqx_seq.S5Block(layer, key=jr.key(1))
+    assert checked(eqx_seq.S5Block.__call__)(block, u).shape == (6, 3)
+    state, y = checked(eqx_seq.S5Block.step)(block, block.init_state(), u[0])
+    assert y.shape == (3,)
+    labels = checked(eqx_seq.ssm_param_labels)(block)
+    assert labels.ssm.B == "ssm"

@@ -64,3 +64,19 @@ def test_bench_embedding_quick(tmp_path):
         str(tmp_path / "e.json"),
     )
     assert "raw jnp.take (anchor)" in out and (tmp_path / "e.json").exists()
+
+
+@pytest.mark.slow
+def test_bench_s5_quick(tmp_path):
+    out = run(
+        "benchmarks/bench_s5.py",
+        "--quick",
+        "--repeats",
+        "1",
+        "--json",
+        str(tmp_path / "s5.json"),
+    )
+    # the script checks ours against the plain S5 before printing these lines
+    assert "check: associative forward = plain S5 forward" in out
+    assert "check: sequential Jacobians = jacrev of the plain S5" in out
+    assert (tmp_path / "s5.json").exists()

@@ -1,0 +1,281 @@
+"""The S5 layer: forward, gradient, memory and parameter Jacobians vs a plain S5.
+
+The anchor is S5 written as in the reference implementation (lindermanlab/S5,
+`s5/ssm.py`): zero-order hold, the decay broadcast to `(T, P)`, `B̄ u` by a complex
+matmul, `lax.associative_scan` with the operator `(a_j a_i, a_j b_i + b_j)`, output
+`2 Re(C̃ x) + D u`, and gradients by plain autodiff through all of it. It is written
+here, independently of eqx_seq, and run on the *same parameters* as our layer (the
+script checks that both give the same outputs before timing).
+
+Setting of the issue: H=128 features, state_size 64 (`conj_sym`: 32 complex states,
+as the reference's P=64), batch 8 by `jax.vmap`, float32, T in {1k, 4k, 16k}. Loss:
+the mean square of the outputs. Peak memory: `temp_size_in_bytes` (plus argument and
+output bytes) of the compiled program (`jax.jit(f).lower(...).compile()
+.memory_analysis()`). Medians of interleaved repeats after a warm-up, with
+`block_until_ready`; ratios against anchors measured in the same run.
+
+    python benchmarks/bench_s5.py            # full run
+    python benchmarks/bench_s5.py --quick    # T=256 only, for a smoke test
+"""
+
+import argparse
+import os
+import sys
+import time
+
+import equinox as eqx
+import jax
+import jax.lax as lax
+import jax.numpy as jnp
+import jax.random as jr
+
+import eqx_seq
+
+
+sys.path.insert(0, os.path.dirname(__file__))
+from _timing import machine, measure_many, write_json  # noqa: E402
+
+
+# --- the anchor: S5 as the reference implementation writes it --------------------
+def plain_s5(params, u):
+    """y for one sequence u (T, H); params = (lambda_re, lambda_im, log_step, B, C, D)."""
+    lambda_re, lambda_im, log_step, B, C, D = params
+    lam = lambda_re + 1j * lambda_im
+    step = jnp.exp(log_step)
+    lam_bar = jnp.exp(lam * step)
+    B_bar = ((lam_bar - 1) / lam)[:, None] * (B[..., 0] + 1j * B[..., 1])
+    C_tilde = C[..., 0] + 1j * C[..., 1]
+    elements = lam_bar * jnp.ones((u.shape[0], lam_bar.shape[0]), lam_bar.dtype)
+    bu = jax.vmap(lambda u_t: B_bar @ u_t.astype(B_bar.dtype))(u)
+    op = lambda x, y: (y[0] * x[0], y[0] * x[1] + y[1])
+    _, xs = lax.associative_scan(op, (elements, bu))
+    y = jax.vmap(lambda x: 2 * (C_tilde @ x).real)(xs)
+    return y + D * u, xs
+
+
+def layer_params(layer):
+    return (layer.lambda_re, layer.lambda_im, layer.log_step, layer.B, layer.C, layer.D)
+
+
+def with_params(layer, params):
+    return eqx.tree_at(layer_params, layer, params)
+
+
+def loss_of(y):
+    return jnp.mean(y**2)
+
+
+def compiled(fn, args):
+    """`(compiled program, compile seconds, peak MiB)`; peak = temporaries + arguments
+    + output of the compiled program, from XLA's memory analysis."""
+    start = time.perf_counter()
+    program = jax.jit(fn).lower(*args).compile()
+    seconds = time.perf_counter() - start
+    m = program.memory_analysis()
+    peak = float("nan")
+    if m is not None:
+        peak = m.temp_size_in_bytes + m.argument_size_in_bytes + m.output_size_in_bytes
+    return program, seconds, peak / 2**20
+
+
+def measure(progs, repeats, slow=()):
+    """Compile each program once (timed), then time the compiled programs."""
+    stats = {name: compiled(fn, args) for name, (fn, args) in progs.items()}
+    res = measure_many(
+        {name: (stats[name][0], progs[name][1]) for name in progs},
+        repeats=repeats,
+        slow=slow,
+    )
+    for name, (_, seconds, peak) in stats.items():
+        res[name].update(compile_s=seconds, peak_mb=peak)
+    return res
+
+
+def programs(T, H, P, batch, key):
+    """`({name: (fn, args)}, check)` for one length; `check()` compares outputs."""
+    lkey, ukey = jr.split(key)
+    us = jr.normal(ukey, (batch, T, H), jnp.float32)
+    out = {}
+    base = eqx_seq.S5(H, P, blocks=4, key=lkey)
+    params = layer_params(base)
+
+    def plain_forward(params, us):
+        return jax.vmap(lambda u: plain_s5(params, u)[0])(us)
+
+    def plain_loss(params, us):
+        return loss_of(plain_forward(params, us))
+
+    out["plain S5: forward"] = (plain_forward, (params, us))
+    out["plain S5: grad"] = (jax.grad(plain_loss), (params, us))
+
+    for name, scan in [
+        ("sequential", eqx_seq.SequentialScan()),
+        ("associative", eqx_seq.AssociativeScan()),
+    ]:
+        layer = eqx.tree_at(lambda l: l.scan, base, scan)
+
+        def forward(params, us, layer=layer):
+            return jax.vmap(with_params(layer, params))(us)
+
+        def loss(params, us, layer=layer):
+            return loss_of(forward(params, us))
+
+        out[f"{name}: forward"] = (forward, (params, us))
+        out[f"{name}: grad"] = (jax.grad(loss), (params, us))
+
+    def check():  # after the timings, so that compile times are first compiles
+        reference = jax.jit(plain_forward)(params, us)
+        for name in ["sequential", "associative"]:
+            fn, args = out[f"{name}: forward"]
+            ours = jax.jit(fn)(*args)
+            err = float(
+                jnp.max(jnp.abs(ours - reference)) / jnp.max(jnp.abs(reference))
+            )
+            assert err < 1e-4, f"{name} disagrees with the plain S5: {err:.2e}"
+            print(f"check: {name} forward = plain S5 forward (max rel. err {err:.1e})")
+
+    return out, check
+
+
+def jacobian_programs(T, H, P, key):
+    """Final-state parameter Jacobians of one sequence: ours vs jacrev of the anchor."""
+    lkey, ukey = jr.split(key)
+    u = jr.normal(ukey, (T, H), jnp.float32)
+    base = eqx_seq.S5(H, P, blocks=4, key=lkey)
+    params = layer_params(base)
+
+    def plain_final(ssm_params, u):
+        lambda_re, lambda_im, log_step, B = ssm_params
+        _, xs = plain_s5((lambda_re, lambda_im, log_step, B, base.C, base.D), u)
+        return jnp.stack([xs[-1].real, xs[-1].imag])
+
+    ssm = params[:4]
+    out = {
+        "plain S5: jacrev h_T wrt (Λ, log_step, B)": (jax.jacrev(plain_final), (ssm, u))
+    }
+    for name, scan in [
+        ("sequential", eqx_seq.SequentialScan()),
+        ("associative", eqx_seq.AssociativeScan()),
+    ]:
+        layer = eqx.tree_at(lambda l: l.scan, base, scan)
+
+        def jac(params, u, layer=layer):
+            j = with_params(layer, params).parameter_jacobians(u, final=True)
+            return j.wrt, j.wrt_B
+
+        def forward(params, u, layer=layer):
+            return with_params(layer, params)(u)
+
+        out[f"{name}: forward (1 sequence)"] = (forward, (params, u))
+        out[f"{name}: parameter_jacobians(final=True)"] = (jac, (params, u))
+
+    def check():  # ours against the anchor's jacrev: d h_T[p] / d lambda_re[p], B
+        plain = jax.jit(jax.jacrev(plain_final))(ssm, u)
+        dense = plain[0][0] + 1j * plain[0][1]  # (P, P) w.r.t. lambda_re
+        dense_B = jnp.einsum("pphc->phc", plain[3][0] + 1j * plain[3][1])[..., 0]
+        for name in ["sequential", "associative"]:
+            fn, args = out[f"{name}: parameter_jacobians(final=True)"]
+            wrt, wrt_B = jax.jit(fn)(*args)
+            err = jnp.max(jnp.abs(jnp.diagonal(dense) - wrt["lambda_re"]))
+            rel = float(err / jnp.max(jnp.abs(wrt["lambda_re"])))
+            rel_B = float(jnp.max(jnp.abs(dense_B - wrt_B)) / jnp.max(jnp.abs(wrt_B)))
+            assert rel < 1e-3 and rel_B < 1e-3, f"{name}: {rel}, {rel_B}"
+            print(
+                f"check: {name} Jacobians = jacrev of the plain S5 (max rel. err "
+                f"{rel:.1e} for lambda_re, {rel_B:.1e} for B)"
+            )
+
+    return out, check
+
+
+def run(T, H, P, batch, repeats, key):
+    progs, check = programs(T, H, P, batch, key)
+    slow = [n for n in progs if n.startswith("plain") and T >= 16384]
+    res = measure(progs, repeats, slow)
+    check()
+    return res
+
+
+def table(T, res):
+    lines = [
+        f"{'method':38s} {'ms':>9s} {'x fwd':>6s} {'vs plain grad':>13s} "
+        f"{'peak MB':>8s} {'vs plain':>8s} {'compile s':>9s}"
+    ]
+    plain_grad = res["plain S5: grad"]
+    for name, r in res.items():
+        kind, what = name.split(": ")
+        fwd = res[f"{kind}: forward"]["median_ms"]
+        ratio = f"{r['median_ms'] / fwd:6.2f}"
+        vs = (
+            f"{plain_grad['median_ms'] / r['median_ms']:12.2f}x"
+            if what == "grad"
+            else " " * 13
+        )
+        anchor = res[f"plain S5: {what}"]["peak_mb"]
+        lines.append(
+            f"{name:38s} {r['median_ms']:9.2f} {ratio} {vs} {r['peak_mb']:8.1f} "
+            f"{r['peak_mb'] / anchor:8.2f} {r['compile_s']:9.2f}"
+        )
+    return "\n".join(lines)
+
+
+def jacobian_table(res):
+    lines = [
+        f"{'method':52s} {'ms':>9s} {'x fwd':>6s} {'speed-up':>9s} {'compile s':>9s}"
+    ]
+    anchor = res["plain S5: jacrev h_T wrt (Λ, log_step, B)"]["median_ms"]
+    for name, r in res.items():
+        kind = name.split(": ")[0]
+        fwd = res.get(f"{kind}: forward (1 sequence)")
+        x = f"{r['median_ms'] / fwd['median_ms']:6.2f}" if fwd else " " * 6
+        lines.append(
+            f"{name:52s} {r['median_ms']:9.2f} {x} {anchor / r['median_ms']:8.1f}x "
+            f"{r['compile_s']:9.2f}"
+        )
+    return "\n".join(lines)
+
+
+def main():
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--quick", action="store_true", help="T=256 only (smoke test)")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument(
+        "--json", default=os.path.join(os.path.dirname(__file__), "results", "s5.json")
+    )
+    args = parser.parse_args()
+    H, P, batch = 128, 64, 8
+    info = machine()
+    print(
+        f"machine: {info['cpu']} ({info['cores']} cores), {info['platform']}, "
+        f"jax {info['jax']}"
+    )
+    payload = {"machine": info, "H": H, "state_size": P, "batch": batch, "runs": {}}
+    lengths = [256] if args.quick else [1024, 4096, 16384]
+    key = jr.key(0)
+    for T in lengths:
+        print(
+            f"\n== S5, float32, T={T}, H={H}, state_size={P} (32 complex states), "
+            f"batch {batch} (vmap) =="
+        )
+        res = run(T, H, P, batch, args.repeats, key)
+        print(table(T, res))
+        payload["runs"][str(T)] = res
+    jac_lengths = [256] if args.quick else [1024, 4096]
+    payload["jacobians"] = {}
+    for T in jac_lengths:
+        print(
+            f"\n== final-state parameter Jacobians (Λ, log_step, B), one sequence, "
+            f"T={T}; speed-up vs jax.jacrev through the plain S5 =="
+        )
+        progs, check = jacobian_programs(T, H, P, key)
+        res = measure(progs, args.repeats)
+        check()
+        print(jacobian_table(res))
+        payload["jacobians"][str(T)] = res
+    write_json(args.json, payload)
+
+
+if __name__ == "__main__":
+    main()
