@@ -334,8 +334,9 @@ class AbstractDiagonalSSM(eqx.Module):
             ones = [jnp.full_like(v, i == j) for j, v in enumerate(values)]
             return jax.jvp(coefficients, (values,), (ones,))[1]
 
-        (decay, gain), (d_decay, d_gain) = coefficients(values), jax.vmap(derivative)(
-            jnp.arange(len(fields))
+        (decay, gain), (d_decay, d_gain) = (
+            coefficients(values),
+            jax.vmap(derivative)(jnp.arange(len(fields))),
         )  # d_decay, d_gain: (F, P) or (F, T, P)
         g = self._drive(u)  # B u_t, (T, P)
         if decay.ndim == 1:  # time-invariant: a leading time axis of size one
