@@ -50,6 +50,9 @@ class SSMJacobians(eqx.Module):
         `"lambda_re"`, `"lambda_im"`, `"log_step"`; for `eqx_seq.LRU`: `"nu_log"`,
         `"theta_log"`, `"gamma_log"`) to `(T, P)` complex:
         `wrt[name][t, p]` $= \\partial h_t[p] / \\partial\\,$`name[p]`.
+        For S5, the states are holomorphic in Λ: `wrt["lambda_im"]` is `1j` times
+        the complex derivative $\\partial h_t / \\partial \\Lambda$, and
+        `wrt["lambda_re"]` is that derivative (zero where `clip_eigs` clips).
     - `wrt_B`: `(T, P, H)` complex, $\\partial h_t[p] / \\partial$ `B[p, k, 0]` (the
         real part of $\\tilde B_{pk}$); the derivative w.r.t. the imaginary part
         `B[p, k, 1]` is `1j * wrt_B`.
@@ -339,47 +342,53 @@ class AbstractDiagonalSSM(eqx.Module):
             jax.vmap(derivative)(jnp.arange(len(fields))),
         )  # d_decay, d_gain: (F, P) or (F, T, P)
         g = self._drive(u)  # B u_t, (T, P)
-        if decay.ndim == 1:  # time-invariant: a leading time axis of size one
-            decay, gain = decay[None], gain[None]
-            d_decay, d_gain = d_decay[:, None], d_gain[:, None]
-        # The states h (from h0) and p_t = dh_t/dh0 (from ones, no input), together.
-        # Time-invariant decays stay (P,): the cheaper form for the backends.
-        a = decay[0] if decay.shape[0] == 1 else decay[:, None]
-        both = linear_recurrence(
-            a,
-            jnp.stack([gain * g, jnp.zeros_like(g)], axis=1),
-            jnp.stack([h0, jnp.ones_like(h0)]),
-            scan=self.scan,
-        )
-        h, p = both[:, 0], both[:, 1]
-        # One sensitivity per field, by the tangent recurrence
-        # s_t = decay_t s_{t-1} + d_decay_t h_{t-1} + d_gain_t (B u_t).
-        previous = jnp.concatenate([h0[None], h[:-1]])
-        rhs = jnp.moveaxis(d_decay * previous[None] + d_gain * g[None], 0, 1)
-        sensitivities = linear_recurrence(a, rhs, scan=self.scan)  # (T, F, P)
-        wrt = {name: sensitivities[:, i] for i, name in enumerate(fields)}
+
+        def recurrence(a, b, h0=None):
+            return linear_recurrence(a, b, h0, scan=self.scan)
+
+        # p_t = dh_t/dh0 = prod_{s <= t} decay_s
+        p = recurrence(decay, jnp.zeros_like(g), jnp.ones_like(h0))
+        if decay.ndim == 1:
+            # Time-invariant: every parameter moves h through the decay or the gain
+            # only, h = gain * x + p * h0 with x the states driven by B u from zero.
+            # So dh/dparam = s * d_decay + x * d_gain, with s = dh/d_decay solving
+            # s_t = decay * s_{t-1} + h_{t-1}: three recurrences in all.
+            x = recurrence(decay, g)
+            h = gain[None] * x + p * h0[None]
+            s = recurrence(decay, jnp.concatenate([h0[None], h[:-1]]))
+            wrt = {
+                name: s * d_decay[i][None] + x * d_gain[i][None]
+                for i, name in enumerate(fields)
+            }
+        else:
+            # Time-varying: one tangent recurrence per parameter, all in one call,
+            # s_t = decay_t s_{t-1} + d_decay_t h_{t-1} + d_gain_t (B u_t).
+            h = recurrence(decay, gain * g, h0)
+            previous = jnp.concatenate([h0[None], h[:-1]])
+            rhs = d_decay * previous[None] + d_gain * g[None]  # (F, T, P)
+            sensitivities = recurrence(decay[:, None], jnp.moveaxis(rhs, 0, 1))
+            wrt = {name: sensitivities[:, i] for i, name in enumerate(fields)}
         gain = jnp.broadcast_to(gain, h.shape)
-        u_c = u.astype(cdtype)
         if final:
             # dh_{T-1}/d(B u)_t = gain_t w_t, w_t = prod_{s > t} decay_s. For a
             # time-invariant decay that is p_{T-2-t} = decay^(T-1-t), reversed;
             # otherwise one reverse recurrence.
-            if decay.shape[0] == 1:
+            if decay.ndim == 1:
                 w = jnp.concatenate([jnp.flip(p[:-1], 0), jnp.ones_like(p[:1])])
             else:
                 after = jnp.concatenate([decay[1:], jnp.ones_like(decay[:1])])
                 last = jnp.zeros_like(h).at[-1].set(1)
                 w = linear_recurrence(after, last, scan=self.scan, reverse=True)
+            wg = w * gain  # (T, P) complex; u is real: one real matmul
+            re_im = jnp.concatenate([wg.real, wg.imag], axis=1).T @ u
+            num = self.num_states
             return SSMJacobians(
                 states=h[-1],
                 wrt={k: v[-1] for k, v in wrt.items()},
-                wrt_B=(w * gain).T @ u_c,
+                wrt_B=lax.complex(re_im[:num], re_im[num:]),
                 wrt_h0=p[-1],
             )
         # e_t[p, k] = decay_t[p] e_{t-1}[p, k] + gain_t[p] u_t[k]
-        wrt_B = linear_recurrence(
-            a[..., None] if a.ndim == 1 else decay[..., None],
-            gain[:, :, None] * u_c[:, None, :],
-            scan=self.scan,
-        )
+        u_c = u.astype(cdtype)
+        wrt_B = recurrence(decay[..., None], gain[:, :, None] * u_c[:, None, :])
         return SSMJacobians(states=h, wrt=wrt, wrt_B=wrt_B, wrt_h0=p)
