@@ -2,6 +2,7 @@
 
 import importlib.metadata
 
+from ._classifier import SequenceClassifier as SequenceClassifier
 from ._diagonal_ssm import (
     AbstractDiagonalSSM as AbstractDiagonalSSM,
     SSMJacobians as SSMJacobians,
@@ -11,6 +12,7 @@ from ._jacobians import (
     recurrence_jacobians as recurrence_jacobians,
     RecurrenceJacobians as RecurrenceJacobians,
 )
+from ._language_model import LanguageModel as LanguageModel
 from ._lru import LRU as LRU
 from ._recurrence import linear_recurrence as linear_recurrence
 from ._s5 import S5 as S5
@@ -21,7 +23,10 @@ from ._scan import (
     AutoScan as AutoScan,
     SequentialScan as SequentialScan,
 )
-from ._ssm_labels import ssm_param_labels as ssm_param_labels
+from ._ssm_labels import (
+    s5_optimizer as s5_optimizer,
+    ssm_param_labels as ssm_param_labels,
+)
 
 
 try:

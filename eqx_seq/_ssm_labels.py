@@ -2,6 +2,7 @@
 
 import equinox as eqx
 import jax
+import optax
 from jaxtyping import PyTree
 
 from ._diagonal_ssm import AbstractDiagonalSSM
@@ -64,3 +65,36 @@ def ssm_param_labels(model: PyTree) -> PyTree[str | None]:
         ]
 
     return eqx.tree_at(where, labels, replace=["ssm"] * len(where(labels)))
+
+
+def s5_optimizer(
+    learning_rate: float | optax.Schedule,
+    *,
+    ssm_learning_rate: float | optax.Schedule | None = None,
+    weight_decay: float = 0.05,
+) -> optax.GradientTransformation:
+    """The S5 training recipe as one `optax` transformation.
+
+    Adam at `ssm_learning_rate` without weight decay for the SSM parameters (see
+    [`eqx_seq.ssm_param_labels`][]); AdamW at `learning_rate` with `weight_decay`
+    for everything else (Smith et al., 2023).
+
+    **Arguments:**
+
+    - `learning_rate`: for the regular parameters (a float or an optax schedule).
+    - `ssm_learning_rate`: for the SSM parameters; defaults to `learning_rate`.
+    - `weight_decay`: AdamW's decoupled weight decay for the regular parameters.
+
+    **Returns:**
+
+    An `optax.GradientTransformation`; initialise it with
+    `eqx.filter(model, eqx.is_inexact_array)`.
+    """
+    ssm = learning_rate if ssm_learning_rate is None else ssm_learning_rate
+    return optax.multi_transform(
+        {
+            "ssm": optax.adam(ssm),
+            "regular": optax.adamw(learning_rate, weight_decay=weight_decay),
+        },
+        ssm_param_labels,
+    )

@@ -1,0 +1,212 @@
+"""A sequence classifier: linear encoder, a stack of S5/LRU blocks, pooling, head."""
+
+import math
+from typing import Literal
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import jax.random as jr
+from jaxtyping import Array, ArrayLike, Bool, Float, PRNGKeyArray, Real
+
+from ._lru import LRU
+from ._misc import check_positive_int
+from ._s5 import S5
+from ._s5_block import S5Block
+from ._scan import AbstractScan, AutoScan
+
+
+def make_blocks(
+    width: int,
+    depth: int,
+    state_size: int,
+    *,
+    mixer: Literal["s5", "lru"],
+    ssm_blocks: int,
+    bidirectional: bool,
+    activation: str,
+    norm: str,
+    prenorm: bool,
+    dropout: float,
+    scan: AbstractScan,
+    dtype,
+    key: PRNGKeyArray,
+) -> tuple[S5Block, ...]:
+    """`depth` residual blocks of width `width`, every SSM with the backend `scan`."""
+    check_positive_int("depth", depth)
+    if mixer not in ("s5", "lru"):
+        raise ValueError(f'`mixer` must be "s5" or "lru", got {mixer!r}.')
+    blocks = []
+    for k in jr.split(key, depth):
+        ssm_key, block_key = jr.split(k)
+        if mixer == "s5":
+            ssm = S5(
+                width,
+                state_size,
+                blocks=ssm_blocks,
+                bidirectional=bidirectional,
+                scan=scan,
+                dtype=dtype,
+                key=ssm_key,
+            )
+        else:
+            ssm = LRU(
+                width,
+                state_size,
+                r_min=0.9,
+                max_phase=math.pi / 10,
+                bidirectional=bidirectional,
+                scan=scan,
+                dtype=dtype,
+                key=ssm_key,
+            )
+        blocks.append(
+            S5Block(
+                ssm,
+                norm=norm,
+                prenorm=prenorm,
+                activation=activation,
+                dropout=dropout,
+                key=block_key,
+            )
+        )
+    return tuple(blocks)
+
+
+def run_blocks(blocks, x: Array, key: PRNGKeyArray | None) -> Array:
+    keys = [None] * len(blocks) if key is None else list(jr.split(key, len(blocks)))
+    for block, k in zip(blocks, keys):
+        x = block(x, key=k)
+    return x
+
+
+class SequenceClassifier(eqx.Module):
+    """Classify a sequence: linear encoder → S5/LRU blocks → pooling → linear head.
+
+    The model of the S5 paper's classification tasks (Smith et al., 2023), built
+    from [`eqx_seq.S5`][] (or [`eqx_seq.LRU`][]) inside [`eqx_seq.S5Block`][]s. The
+    backend is chosen once, `scan=`, and reaches every layer. Train it with
+    `eqx_seq.s5_optimizer` (SSM parameters at their own learning rate, without
+    weight decay).
+
+    !!! Example
+
+        ```python
+        import jax, jax.numpy as jnp, jax.random as jr
+        import eqx_seq
+
+        model = eqx_seq.SequenceClassifier(1, 10, width=32, depth=2, key=jr.key(0))
+        logits = jax.vmap(model)(jnp.ones((4, 64, 1)))      # (4, 10)
+        ```
+    """
+
+    encoder: eqx.nn.Linear
+    blocks: tuple[S5Block, ...]
+    head: eqx.nn.Linear
+    pooling: str = eqx.field(static=True)
+
+    def __init__(
+        self,
+        in_features: int,
+        num_classes: int,
+        *,
+        width: int = 64,
+        depth: int = 4,
+        state_size: int = 64,
+        mixer: Literal["s5", "lru"] = "s5",
+        ssm_blocks: int = 1,
+        bidirectional: bool = False,
+        pooling: Literal["mean", "last"] = "mean",
+        activation: str = "half_glu1",
+        norm: Literal["layer", "rms"] = "layer",
+        prenorm: bool = True,
+        dropout: float = 0.0,
+        scan: AbstractScan = AutoScan(),
+        dtype=None,
+        key: PRNGKeyArray,
+    ):
+        """**Arguments:**
+
+        - `in_features`: features per time step of the input.
+        - `num_classes`: the number of classes (logits).
+        - `width`: the model width `H` (features inside the blocks).
+        - `depth`: the number of blocks.
+        - `state_size`: each SSM's `state_size`.
+        - `mixer`: `"s5"` or `"lru"`.
+        - `ssm_blocks`: S5's `blocks` (HiPPO blocks of the initialisation).
+        - `bidirectional`: non-causal SSMs (a backward recurrence too).
+        - `pooling`: `"mean"` over (valid) steps or the `"last"` (valid) step.
+        - `activation`, `norm`, `prenorm`, `dropout`: for every
+            [`eqx_seq.S5Block`][].
+        - `scan`: the recurrence backend of every layer.
+        - `dtype`: the parameter dtype.
+        - `key`: a `jax.random` key. (Keyword only.)
+        """
+        check_positive_int("in_features", in_features)
+        check_positive_int("num_classes", num_classes)
+        check_positive_int("width", width)
+        if pooling not in ("mean", "last"):
+            raise ValueError(f'`pooling` must be "mean" or "last", got {pooling!r}.')
+        ekey, bkey, hkey = jr.split(key, 3)
+        self.encoder = eqx.nn.Linear(in_features, width, dtype=dtype, key=ekey)
+        self.blocks = make_blocks(
+            width,
+            depth,
+            state_size,
+            mixer=mixer,
+            ssm_blocks=ssm_blocks,
+            bidirectional=bidirectional,
+            activation=activation,
+            norm=norm,
+            prenorm=prenorm,
+            dropout=dropout,
+            scan=scan,
+            dtype=dtype,
+            key=bkey,
+        )
+        self.head = eqx.nn.Linear(width, num_classes, dtype=dtype, key=hkey)
+        self.pooling = pooling
+
+    def __call__(
+        self,
+        x: Real[ArrayLike, " T F"],
+        *,
+        mask: Bool[ArrayLike, " T"] | None = None,
+        key: PRNGKeyArray | None = None,
+    ) -> Float[Array, " C"]:
+        """**Arguments:**
+
+        - `x`: one sequence, shape `(T, in_features)`.
+        - `mask`: optional `(T,)` booleans, `True` at valid steps, for sequences
+            padded at the end to a common length: pooling then uses valid steps only.
+            (With causal SSMs the valid steps never see the padding.)
+        - `key`: for dropout.
+
+        **Returns:**
+
+        Logits, shape `(num_classes,)`.
+        """
+        x = jnp.asarray(x)
+        if x.ndim != 2 or x.shape[1] != self.encoder.in_features:
+            raise ValueError(
+                f"`SequenceClassifier` takes one sequence of shape (T, in_features) = "
+                f"(T, {self.encoder.in_features}), got shape {x.shape}; use "
+                "`jax.vmap` for a batch."
+            )
+        z = run_blocks(self.blocks, jax.vmap(self.encoder)(x), key)
+        if mask is None:
+            pooled = z[-1] if self.pooling == "last" else jnp.mean(z, axis=0)
+        else:
+            mask = jnp.asarray(mask)
+            if mask.shape != (x.shape[0],) or mask.dtype != jnp.bool_:
+                raise ValueError(
+                    f"`mask` must be booleans of shape (T,) = ({x.shape[0]},), got "
+                    f"{mask.dtype} of shape {mask.shape}."
+                )
+            if self.pooling == "last":
+                last = jnp.max(jnp.where(mask, jnp.arange(x.shape[0]), 0))
+                pooled = z[last]
+            else:
+                weights = mask.astype(z.dtype)
+                pooled = weights @ z / jnp.maximum(jnp.sum(weights), 1)
+        return self.head(pooled)

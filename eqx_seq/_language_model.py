@@ -1,0 +1,168 @@
+"""A causal language model: Embedding, S5/LRU blocks, tied output, generation."""
+
+from typing import Literal
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import jax.random as jr
+from jaxtyping import Array, ArrayLike, Complex, Float, Int, PRNGKeyArray
+
+from ._classifier import make_blocks, run_blocks
+from ._embedding import Embedding
+from ._misc import check_positive_int
+from ._s5_block import S5Block
+from ._scan import AbstractScan, AutoScan
+
+
+class LanguageModel(eqx.Module):
+    """A causal language model: `Embedding` → S5/LRU blocks → norm → tied logits.
+
+    The output layer is the embedding itself ([`eqx_seq.Embedding.attend`][]), so
+    the model has one `(vocab_size, width)` table. Generation runs the blocks in
+    step mode, one token at a time with their states carried, and gives the same
+    logits as the parallel call on the whole sequence.
+
+    !!! Example
+
+        ```python
+        import jax, jax.numpy as jnp, jax.random as jr
+        import eqx_seq
+
+        lm = eqx_seq.LanguageModel(50, width=32, depth=2, key=jr.key(0))
+        logits = lm(jnp.array([1, 2, 3]))                       # (3, 50)
+        text = lm.generate(jnp.array([1, 2]), 5, key=jr.key(1))  # 5 new tokens
+        ```
+    """
+
+    embedding: Embedding
+    blocks: tuple[S5Block, ...]
+    norm: eqx.nn.LayerNorm
+
+    def __init__(
+        self,
+        vocab_size: int,
+        *,
+        width: int = 128,
+        depth: int = 4,
+        state_size: int = 64,
+        mixer: Literal["s5", "lru"] = "s5",
+        ssm_blocks: int = 1,
+        activation: str = "half_glu1",
+        dropout: float = 0.0,
+        scan: AbstractScan = AutoScan(),
+        dtype=None,
+        key: PRNGKeyArray,
+    ):
+        """**Arguments:**
+
+        - `vocab_size`: the number of tokens.
+        - `width`, `depth`, `state_size`, `mixer`, `ssm_blocks`, `activation`,
+            `dropout`: as for [`eqx_seq.SequenceClassifier`][] (always causal).
+        - `scan`: the recurrence backend of every layer.
+        - `dtype`: the parameter dtype.
+        - `key`: a `jax.random` key. (Keyword only.)
+        """
+        check_positive_int("vocab_size", vocab_size)
+        check_positive_int("width", width)
+        ekey, bkey = jr.split(key)
+        emb = Embedding(vocab_size, width, dtype=dtype, key=ekey)
+        # N(0, 1/width) rows: unit-scale logits through the tied output
+        self.embedding = eqx.tree_at(lambda e: e.weight, emb, emb.weight / width**0.5)
+        self.blocks = make_blocks(
+            width,
+            depth,
+            state_size,
+            mixer=mixer,
+            ssm_blocks=ssm_blocks,
+            bidirectional=False,
+            activation=activation,
+            norm="layer",
+            prenorm=True,
+            dropout=dropout,
+            scan=scan,
+            dtype=dtype,
+            key=bkey,
+        )
+        self.norm = eqx.nn.LayerNorm(width, dtype=dtype)
+
+    def __call__(
+        self, ids: Int[ArrayLike, " T"], *, key: PRNGKeyArray | None = None
+    ) -> Float[Array, " T V"]:
+        """**Arguments:**
+
+        - `ids`: token ids, shape `(T,)`.
+        - `key`: for dropout.
+
+        **Returns:**
+
+        Next-token logits for every position, shape `(T, vocab_size)`.
+        """
+        ids = jnp.asarray(ids)
+        if ids.ndim != 1 or ids.shape[0] == 0:
+            raise ValueError(
+                f"`LanguageModel` takes one sequence of token ids, shape (T,) with "
+                f"T >= 1, got shape {ids.shape}; use `jax.vmap` for a batch."
+            )
+        z = run_blocks(self.blocks, self.embedding(ids), key)
+        return self.embedding.attend(jax.vmap(self.norm)(z))
+
+    def init_state(self) -> tuple[Complex[Array, " P"], ...]:
+        """The zero state of every block, for step mode."""
+        return tuple(block.init_state() for block in self.blocks)
+
+    def step(
+        self, state: tuple[Complex[Array, " P"], ...], token: Int[ArrayLike, ""]
+    ) -> tuple[tuple[Complex[Array, " P"], ...], Float[Array, " V"]]:
+        """Feed one token; return the new states and the next-token logits `(V,)`."""
+        z = self.embedding(jnp.asarray(token))
+        new = []
+        for block, s in zip(self.blocks, state):
+            s, z = block.step(s, z)
+            new.append(s)
+        return tuple(new), self.embedding.attend(self.norm(z))
+
+    def generate(
+        self,
+        prompt: Int[ArrayLike, " T"],
+        num_tokens: int,
+        *,
+        key: PRNGKeyArray,
+        temperature: float = 1.0,
+    ) -> Int[Array, " N"]:
+        """Sample `num_tokens` tokens after `prompt` in step mode.
+
+        **Arguments:**
+
+        - `prompt`: token ids, shape `(T,)`, `T >= 1`.
+        - `num_tokens`: how many tokens to sample.
+        - `key`: a `jax.random` key.
+        - `temperature`: divides the logits; `0` picks the most likely token.
+
+        **Returns:**
+
+        The sampled ids, shape `(num_tokens,)`.
+        """
+        prompt = jnp.asarray(prompt)
+        check_positive_int("num_tokens", num_tokens)
+        if prompt.ndim != 1 or prompt.shape[0] == 0:
+            raise ValueError(
+                f"`prompt` must have shape (T,), T >= 1, got {prompt.shape}."
+            )
+        if temperature < 0:
+            raise ValueError(f"`temperature` must be >= 0, got {temperature}.")
+        state, logits = jax.lax.scan(
+            lambda s, t: self.step(s, t), self.init_state(), prompt
+        )
+
+        def sample(carry, key):
+            state, logits = carry
+            if temperature == 0:
+                token = jnp.argmax(logits)
+            else:
+                token = jr.categorical(key, logits / temperature)
+            state, logits = self.step(state, token)
+            return (state, logits), token
+
+        _, tokens = jax.lax.scan(sample, (state, logits[-1]), jr.split(key, num_tokens))
+        return tokens
