@@ -80,3 +80,34 @@ def test_bench_s5_quick(tmp_path):
     assert "check: associative forward = plain S5 forward" in out
     assert "check: sequential Jacobians = jacrev of the plain S5" in out
     assert (tmp_path / "s5.json").exists()
+
+
+def test_train_digits_example(tmp_path):
+    out = run(
+        "examples/train_digits.py",
+        "--epochs",
+        "1",
+        "--limit",
+        "64",
+        "--width",
+        "8",
+        "--depth",
+        "1",
+        "--state-size",
+        "8",
+        "--ssm-blocks",
+        "1",
+        "--no-progress",
+        "--out",
+        str(tmp_path),
+    )
+    assert "final test accuracy" in out and "reloaded checkpoint" in out
+    assert (tmp_path / "model.eqx").exists()
+    assert (tmp_path / "training_curves.png").exists()
+
+
+@pytest.mark.slow
+def test_train_digits_reaches_the_goal(tmp_path):
+    out = run("examples/train_digits.py", "--no-progress", "--out", str(tmp_path))
+    accuracy = float(out.split("final test accuracy: ")[1].split()[0])
+    assert accuracy >= 0.95

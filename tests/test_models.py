@@ -1,0 +1,159 @@
+"""The composed models: shapes, a training step, backends, step mode, checkpoints."""
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import jax.random as jr
+import numpy as np
+import optax
+import pytest
+
+import eqx_seq
+
+
+SCANS = [eqx_seq.SequentialScan(), eqx_seq.AssociativeScan()]
+
+
+def classifier(key, scan=eqx_seq.AutoScan(), **kw):
+    kw = {"width": 8, "depth": 2, "state_size": 8, "dtype": jnp.float64, **kw}
+    return eqx_seq.SequenceClassifier(2, 3, scan=scan, key=key, **kw)
+
+
+def lm(key, scan=eqx_seq.AutoScan(), **kw):
+    kw = {"width": 8, "depth": 2, "state_size": 8, "dtype": jnp.float64, **kw}
+    return eqx_seq.LanguageModel(11, scan=scan, key=key, **kw)
+
+
+def every_layer_scan(model):
+    return [
+        x.scan
+        for x in jax.tree.leaves(model, is_leaf=lambda x: hasattr(x, "per_state_fields"))
+        if hasattr(x, "per_state_fields")
+    ]
+
+
+def test_backend_reaches_every_layer(getkey):
+    for scan in SCANS:
+        for model in [classifier(getkey(), scan), lm(getkey(), scan, mixer="lru")]:
+            scans = every_layer_scan(model)
+            assert len(scans) == 2 and all(s == scan for s in scans)
+
+
+@pytest.mark.parametrize("mixer", ["s5", "lru"])
+def test_backends_agree(mixer, getkey):
+    key = getkey()
+    x = jr.normal(getkey(), (3, 9, 2), jnp.float64)
+    ids = jr.randint(getkey(), (9,), 0, 11)
+    outs = [
+        (jax.vmap(classifier(key, s, mixer=mixer))(x), lm(key, s, mixer=mixer)(ids))
+        for s in SCANS
+    ]
+    np.testing.assert_allclose(outs[0][0], outs[1][0], atol=1e-10)
+    np.testing.assert_allclose(outs[0][1], outs[1][1], atol=1e-10)
+
+
+@pytest.mark.parametrize("pooling", ["mean", "last"])
+def test_classifier_shapes_and_masked_pooling(pooling, getkey):
+    model = classifier(getkey(), pooling=pooling)
+    x = jr.normal(getkey(), (7, 2), jnp.float64)
+    assert model(x).shape == (3,)
+    # padding at the end + mask = the unpadded sequence (causal blocks)
+    padded = jnp.concatenate([x, jr.normal(getkey(), (4, 2), jnp.float64)])
+    mask = jnp.arange(11) < 7
+    np.testing.assert_allclose(model(padded, mask=mask), model(x), atol=1e-10)
+
+
+def test_training_step_reduces_the_loss(getkey):
+    model = classifier(getkey())
+    x = jr.normal(getkey(), (16, 10, 2), jnp.float64)
+    y = (x[:, :, 0].mean(1) > 0).astype(jnp.int32)
+
+    def loss(model):
+        logits = jax.vmap(model)(x)
+        return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+
+    optim = eqx_seq.s5_optimizer(1e-2, ssm_learning_rate=1e-3)
+    with jax.numpy_dtype_promotion("standard"):  # optax is not strict-clean
+        opt_state = optim.init(eqx.filter(model, eqx.is_inexact_array))
+
+        @eqx.filter_jit
+        def step(model, opt_state):
+            value, grads = eqx.filter_value_and_grad(loss)(model)
+            params = eqx.filter(model, eqx.is_inexact_array)
+            updates, opt_state = optim.update(grads, opt_state, params)
+            return eqx.apply_updates(model, updates), opt_state, value
+
+        first = loss(model)
+        for _ in range(10):
+            model, opt_state, _ = step(model, opt_state)
+    assert loss(model) < 0.8 * first
+
+
+def test_language_model_step_mode_equals_parallel(getkey):
+    model = lm(getkey())
+    ids = jr.randint(getkey(), (12,), 0, 11)
+    parallel = model(ids)
+    assert parallel.shape == (12, 11)
+    _, stepped = jax.lax.scan(lambda s, t: model.step(s, t), model.init_state(), ids)
+    np.testing.assert_allclose(stepped, parallel, atol=1e-10)
+    # greedy generation = repeatedly taking the argmax of the parallel call
+    tokens = model.generate(ids[:3], 4, key=getkey(), temperature=0.0)
+    seq = ids[:3]
+    for _ in range(4):
+        seq = jnp.append(seq, jnp.argmax(model(seq)[-1]))
+    np.testing.assert_array_equal(tokens, seq[3:])
+    sampled = model.generate(ids[:3], 5, key=getkey())
+    assert sampled.shape == (5,) and bool(jnp.all((sampled >= 0) & (sampled < 11)))
+
+
+def test_language_model_ties_input_and_output(getkey):
+    model = lm(getkey())
+    ids = jr.randint(getkey(), (5,), 0, 11)
+    grads = eqx.filter_grad(lambda m: jnp.sum(m(ids)[:, 0]))(model)
+    # the output layer is the embedding table: row 0 gets gradient as an output
+    # even though token 0 may not be in the input
+    assert jnp.any(grads.embedding.weight[0] != 0)
+    leaves = jax.tree.leaves(eqx.filter(model, eqx.is_array))
+    assert sum(x.size for x in leaves if x.shape == (11, 8)) == 11 * 8
+
+
+def test_checkpoint_round_trip(getkey, tmp_path):
+    for model, arg in [
+        (classifier(getkey()), jr.normal(getkey(), (6, 2), jnp.float64)),
+        (lm(getkey()), jnp.array([1, 2, 3])),
+    ]:
+        path = tmp_path / "m.eqx"
+        eqx.tree_serialise_leaves(path, model)
+        skeleton = type(model)(
+            *([2, 3] if isinstance(model, eqx_seq.SequenceClassifier) else [11]),
+            width=8,
+            depth=2,
+            state_size=8,
+            dtype=jnp.float64,
+            key=getkey(),
+        )
+        loaded = eqx.tree_deserialise_leaves(path, skeleton)
+        np.testing.assert_array_equal(loaded(arg), model(arg))
+
+
+def test_bad_input(getkey):
+    model = classifier(getkey())
+    with pytest.raises(ValueError, match="in_features"):
+        model(jnp.ones((5, 3)))
+    with pytest.raises(ValueError, match="mask"):
+        model(jnp.ones((5, 2)), mask=jnp.ones(4, bool))
+    with pytest.raises(ValueError, match="mask"):
+        model(jnp.ones((5, 2)), mask=jnp.ones(5))
+    with pytest.raises(ValueError, match="pooling"):
+        classifier(getkey(), pooling="max")
+    with pytest.raises(ValueError, match="mixer"):
+        classifier(getkey(), mixer="lstm")
+    with pytest.raises(ValueError, match="positive int"):
+        classifier(getkey(), depth=0)
+    language = lm(getkey())
+    with pytest.raises(ValueError, match="token ids"):
+        language(jnp.ones((2, 3), jnp.int32))
+    with pytest.raises(ValueError, match="prompt"):
+        language.generate(jnp.zeros((0,), jnp.int32), 3, key=getkey())
+    with pytest.raises(ValueError, match="temperature"):
+        language.generate(jnp.array([1]), 3, key=getkey(), temperature=-1.0)
