@@ -111,3 +111,30 @@ def test_train_digits_reaches_the_goal(tmp_path):
     out = run("examples/train_digits.py", "--no-progress", "--out", str(tmp_path))
     accuracy = float(out.split("final test accuracy: ")[1].split()[0])
     assert accuracy >= 0.95
+
+
+def test_train_char_lm_example(tmp_path):
+    out = run(
+        "examples/train_char_lm.py",
+        "--steps",
+        "2",
+        "--batch-size",
+        "2",
+        "--length",
+        "16",
+        "--width",
+        "8",
+        "--depth",
+        "1",
+        "--state-size",
+        "8",
+        "--max-bytes",
+        "20000",
+        "--sample",
+        "10",
+        "--no-progress",
+        "--out",
+        str(tmp_path),
+    )
+    assert "held-out bits per character" in out and "sample (step mode" in out
+    assert (tmp_path / "model.eqx").exists() and (tmp_path / "sample.txt").exists()
