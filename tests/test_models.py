@@ -27,7 +27,9 @@ def lm(key, scan=eqx_seq.AutoScan(), **kw):
 def every_layer_scan(model):
     return [
         x.scan
-        for x in jax.tree.leaves(model, is_leaf=lambda x: hasattr(x, "per_state_fields"))
+        for x in jax.tree.leaves(
+            model, is_leaf=lambda x: hasattr(x, "per_state_fields")
+        )
         if hasattr(x, "per_state_fields")
     ]
 

@@ -320,7 +320,7 @@ def test_parameter_jacobians_match_dense_jacfwd(kind, with_dt, with_h0, getkey):
         new = eqx.tree_at(
             lambda l: [getattr(l, n) for n in fields], layer, list(fields.values())
         )
-        return new._states(u, dt, h0)
+        return new._states(new._drive(u), dt, h0)
 
     fields = {n: getattr(layer, n) for n in (*layer.per_state_fields, "B")}
     dense = jax.jacfwd(states)(fields, h0_)  # (T, P, *param)
