@@ -14,6 +14,8 @@ from ._scan import (
     AutoScan as AutoScan,
     SequentialScan as SequentialScan,
 )
+from ._tridiagonal import tridiagonal_solve as tridiagonal_solve
+from ._tridiagonal_implicit import TridiagonalImplicit as TridiagonalImplicit
 
 
 try:
