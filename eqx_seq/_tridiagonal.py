@@ -194,32 +194,36 @@ def _pcr(l, d, u, r, *, axis: int, transpose: bool) -> Array:
     Round `k` (`s = 2^k`) eliminates each row's couplings to rows `i - s` and
     `i + s` with those rows, leaving couplings at distance `2s`; after
     `ceil(log2 n)` rounds every row is decoupled. Rows are kept scaled to a unit
-    diagonal, so a round costs one reciprocal per row. Rows outside the system act
-    as identity rows.
+    diagonal, so a round costs one reciprocal per row; rows outside the system act
+    as identity rows. The rounds are a `fori_loop` (a dynamic shift): unrolled,
+    XLA fused them and recomputed earlier rounds, and compiled 2.5x slower.
     """
     if transpose:
         l, u = _shift(u, 1, axis, 0, down=True), _shift(l, 1, axis, 0, down=False)
     n = r.shape[axis]
     index = lax.broadcasted_iota(jnp.int32, (1,) * axis + (n,), axis)
     index = index.reshape(index.shape + (1,) * (r.ndim - axis - 1))
+    zero = jnp.zeros((), r.dtype)
     inv = 1 / d
-    l = jnp.where(index == 0, jnp.zeros((), l.dtype), l * inv)
-    u = jnp.where(index == n - 1, jnp.zeros((), u.dtype), u * inv)
-    r = r * inv
-    s = 1
-    while s < n:
-        down = ft.partial(_shift, s=s, axis=axis, fill=0, down=True)
-        up = ft.partial(_shift, s=s, axis=axis, fill=0, down=False)
+    l = jnp.where(index == 0, zero, l * inv)
+    u = jnp.where(index == n - 1, zero, u * inv)
+    full = jnp.broadcast_shapes(l.shape, u.shape, r.shape)
+    l, u, r = (jnp.broadcast_to(x, full) for x in (l, u, r * inv))
+
+    def round_(k, state):
+        l, u, r = state
+        s = jnp.left_shift(1, k)
+        # x[i - s] and x[i + s], zero outside the system
+        down = lambda x: jnp.where(index >= s, jnp.roll(x, s, axis=axis), zero)
+        up = lambda x: jnp.where(index < n - s, jnp.roll(x, -s, axis=axis), zero)
         inv = 1 / (1 - l * down(u) - u * up(l))
-        l, u, r = (
+        return (
             -l * down(l) * inv,
             -u * up(u) * inv,
             (r - l * down(r) - u * up(r)) * inv,
         )
-        # one pass over memory per round: fused across rounds, XLA would recompute
-        # earlier rounds for every shifted read (slow to compile and to run)
-        l, u, r = lax.optimization_barrier((l, u, r))
-        s *= 2
+
+    _, _, r = lax.fori_loop(0, (n - 1).bit_length(), round_, (l, u, r))
     return r
 
 

@@ -149,7 +149,9 @@ class TridiagonalImplicit(eqx.Module):
             )
         pairs = jnp.concatenate([x[:-1], x[1:]], axis=1)
         gate = pairs @ self.gate_weight.astype(x.dtype).T
-        return jax.nn.softplus(logit + gate + self.gate_bias.astype(x.dtype))
+        return jax.nn.softplus(
+            logit[None] + gate + self.gate_bias.astype(x.dtype)[None]
+        )
 
     def diagonals(
         self, x: Float[ArrayLike, " T channels"]

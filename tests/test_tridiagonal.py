@@ -15,10 +15,13 @@ from eqx_seq._tridiagonal import _thomas
 
 BACKENDS = {
     "thomas": dict(scan=eqx_seq.SequentialScan()),
-    "thomas-unroll3": dict(scan=eqx_seq.SequentialScan(unroll=3)),
     "pcr": dict(scan=eqx_seq.AssociativeScan()),
-    "auto": dict(scan=eqx_seq.AutoScan()),
     "pivoting": dict(pivoting=True),
+}
+# also checked against the others in test_backends_agree_on_values_and_gradients
+MORE_BACKENDS = {
+    "thomas-unroll3": dict(scan=eqx_seq.SequentialScan(unroll=3)),
+    "auto": dict(scan=eqx_seq.AutoScan()),
 }
 
 
@@ -62,11 +65,14 @@ def dominant(rng, shape, *, complex_=False, dtype=np.float64):
 
 
 LAYOUTS = [((None, 5), 0), ((4, None), 1), ((3, None, 2), 1), ((2, 3, None), -1)]
+CASES = [
+    (backend, n, layout)
+    for backend, n in it.product(BACKENDS, [1, 2, 3, 7, 100])
+    for layout in (LAYOUTS if n == 7 else LAYOUTS[:2])
+]
 
 
-@pytest.mark.parametrize(
-    "backend,n,layout", list(it.product(BACKENDS, [1, 2, 3, 7, 100], LAYOUTS))
-)
+@pytest.mark.parametrize("backend,n,layout", CASES)
 def test_values_match_scipy(backend, n, layout):
     template, axis = layout
     shape = tuple(n if s is None else s for s in template)
@@ -113,7 +119,7 @@ def test_blocked_thomas_matches_dense(shapes, axis, transpose):
         a[tuple(slice(0, s) for s in shp)]
         for a, shp in zip(dominant(rng, full), shapes)
     ]
-    for block in [5, 10_000]:
+    for block in [5]:  # the default block size runs in the public tests
         x = jax.jit(
             lambda *a: _thomas(
                 *a, axis=axis, transpose=transpose, unroll=1, block=block
@@ -241,14 +247,22 @@ def test_grad_of_shared_diagonals(backend):
         np.testing.assert_allclose(g, w, rtol=1e-10, atol=1e-12)
 
 
-@pytest.mark.parametrize("backend", ["thomas", "pcr", "pivoting"])
-@pytest.mark.parametrize("complex_", [False, True])
-def test_derivatives_vs_finite_differences(backend, complex_):
+@pytest.mark.parametrize(
+    "backend,complex_,order",
+    [
+        ("thomas", False, 2),
+        ("thomas", True, 1),
+        ("pcr", False, 1),
+        ("pcr", True, 1),
+        ("pivoting", False, 1),
+    ],
+)
+def test_derivatives_vs_finite_differences(backend, complex_, order):
     rng = np.random.default_rng(5)
     args = tuple(jnp.asarray(a) for a in dominant(rng, (5, 2), complex_=complex_))
     kw = BACKENDS[backend]
     f = jax.jit(lambda *a: eqx_seq.tridiagonal_solve(*a, axis=0, **kw))
-    check_grads(f, args, order=2, modes=["fwd", "rev"], atol=1e-6, rtol=1e-6)
+    check_grads(f, args, order=order, modes=["fwd", "rev"], atol=1e-6, rtol=1e-6)
 
 
 @pytest.mark.parametrize("backend", ["thomas", "pcr", "pivoting"])
@@ -257,31 +271,29 @@ def test_jacfwd_jacrev_vmap(backend):
     kw = BACKENDS[backend]
     args = tuple(jnp.asarray(a) for a in dominant(rng, (6, 2)))
     f = lambda *a: eqx_seq.tridiagonal_solve(*a, **kw)
-    for i in range(4):
-        jf = jax.jacfwd(f, argnums=i)(*args)
-        jr = jax.jacrev(f, argnums=i)(*args)
-        np.testing.assert_allclose(jf, jr, rtol=1e-10, atol=1e-12)
+    every = (0, 1, 2, 3)
+    jf = jax.jit(jax.jacfwd(f, argnums=every))(*args)
+    jr = jax.jit(jax.jacrev(f, argnums=every))(*args)
+    for a, b in zip(jf, jr):
+        np.testing.assert_allclose(a, b, rtol=1e-10, atol=1e-12)
     # the Jacobian w.r.t. rhs is the inverse of each system
-    jac = jax.jacfwd(lambda r: f(args[0], args[1], args[2], r))(args[3])
     for j in range(2):
         inverse = np.linalg.inv(dense(args[0][:, j], args[1][:, j], args[2][:, j]))
-        np.testing.assert_allclose(jac[:, j, :, j], inverse, rtol=1e-10, atol=1e-12)
+        np.testing.assert_allclose(jf[3][:, j, :, j], inverse, rtol=1e-10, atol=1e-12)
     # vmap (over a leading batch, and with unbatched diagonals) matches a loop
     batch = tuple(jnp.asarray(a) for a in dominant(rng, (3, 6, 2)))
-    vm = jax.jit(jax.vmap(f))(*batch)
+    loss = lambda *a: jnp.sum(f(*a) ** 2)
+    vm, vg = jax.jit(jax.vmap(lambda *a: (f(*a), jax.grad(loss, argnums=every)(*a))))(
+        *batch
+    )
+    vr = jax.jit(jax.vmap(f, in_axes=(None, None, None, 0)))(*args[:3], batch[3])
+    one = jax.jit(lambda *a: (f(*a), jax.grad(loss, argnums=every)(*a)))
     for k in range(3):
-        np.testing.assert_allclose(vm[k], f(*(a[k] for a in batch)), rtol=1e-12)
-    vr = jax.vmap(f, in_axes=(None, None, None, 0))(*args[:3], batch[3])
-    for k in range(3):
-        np.testing.assert_allclose(vr[k], f(*args[:3], batch[3][k]), rtol=1e-12)
-    # vmap of grad
-    g = jax.vmap(jax.grad(lambda *a: jnp.sum(f(*a) ** 2), argnums=(0, 1, 2, 3)))(*batch)
-    for k in range(3):
-        gk = jax.grad(lambda *a: jnp.sum(f(*a) ** 2), argnums=(0, 1, 2, 3))(
-            *(a[k] for a in batch)
-        )
-        for a, b in zip(g, gk):
+        value, grads = one(*(a[k] for a in batch))
+        np.testing.assert_allclose(vm[k], value, rtol=1e-12)
+        for a, b in zip(vg, grads):
             np.testing.assert_allclose(a[k], b, rtol=1e-10, atol=1e-13)
+        np.testing.assert_allclose(vr[k], one(*args[:3], batch[3][k])[0], rtol=1e-12)
 
 
 def test_backends_agree_on_values_and_gradients():
@@ -292,7 +304,7 @@ def test_backends_agree_on_values_and_gradients():
         name: jax.value_and_grad(
             lambda *a, kw=kw: loss(*a, kw=kw), argnums=(0, 1, 2, 3)
         )(*args)
-        for name, kw in BACKENDS.items()
+        for name, kw in {**BACKENDS, **MORE_BACKENDS}.items()
     }
     base_value, base_grads = results["pivoting"]
     for value, grads in results.values():
