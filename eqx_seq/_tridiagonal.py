@@ -30,10 +30,14 @@ from jaxtyping import Array, ArrayLike, Inexact
 from ._scan import AbstractScan, AssociativeScan, AutoScan, SequentialScan
 
 
-# Systems per block on the Thomas path: measured on a 2-core CPU at 100k x 100,
-# 2k-8k were alike and 25-30% faster than one sweep over all systems at once
-# (the sweep's scratch then lives in cache); see benchmarks/bench_tridiagonal.py.
+# Systems per block on the Thomas path. Measured on a 2-core CPU at 100k x 100
+# float32: blocks of 2k-4k were alike and 1.5x faster than one sweep over all
+# systems at once (the sweep's scratch then stays in cache), 16k slower, and
+# unrolling slower still. Problems whose arrays fit in cache (below
+# _UNBLOCKED_BYTES each) are swept in one go: there, blocks only add loop overhead
+# (2.3x slower at 10k x 100).
 _BLOCK = 4096
+_UNBLOCKED_BYTES = 8 * 2**20
 
 
 # ------------------------------------------------------------------- Thomas sweeps
@@ -137,15 +141,27 @@ def _blocked(fn, arrays: tuple[Array, ...], out_shape, dtype, dim: int, block: i
 
 
 def _thomas(
-    l, d, u, r, *, axis: int, transpose: bool, unroll: int, block: int = _BLOCK
+    l,
+    d,
+    u,
+    r,
+    *,
+    axis: int,
+    transpose: bool,
+    unroll: int,
+    block: int = _BLOCK,
+    unblocked_bytes: int = _UNBLOCKED_BYTES,
 ) -> Array:
-    """Thomas along `axis` of rank-aligned arrays, about `block` systems at a time.
+    """Thomas along `axis` of rank-aligned arrays, about `block` systems at a time
+    (all at once if the full array takes at most `unblocked_bytes`).
 
     The result has the broadcast shape of the inputs.
     """
     full = jnp.broadcast_shapes(l.shape, d.shape, u.shape, r.shape)
     n = full[axis]
     P, Q = _prod(full[:axis]), _prod(full[axis + 1 :])
+    if n * P * Q * r.dtype.itemsize <= unblocked_bytes:
+        block = max(block, P * Q)
     l, d, u, r = (_as_pnq(x, axis, full) for x in (l, d, u, r))
     sweep = ft.partial(_thomas_leading, transpose=transpose, unroll=unroll)
     if P == 1:

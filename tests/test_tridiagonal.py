@@ -1,6 +1,9 @@
 """`eqx_seq.tridiagonal_solve` against SciPy and dense float64 references."""
 
 import itertools as it
+import os
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -122,7 +125,12 @@ def test_blocked_thomas_matches_dense(shapes, axis, transpose):
     for block in [5]:  # the default block size runs in the public tests
         x = jax.jit(
             lambda *a: _thomas(
-                *a, axis=axis, transpose=transpose, unroll=1, block=block
+                *a,
+                axis=axis,
+                transpose=transpose,
+                unroll=1,
+                block=block,
+                unblocked_bytes=0,
             )
         )(*args)
         lower, diag, upper, rhs = (np.broadcast_to(a, full) for a in args)
@@ -345,3 +353,29 @@ def test_bad_input():
 
     with pytest.raises(ValueError, match="supports"):
         solve(ones, ones, ones, ones, scan=Other())
+
+
+@pytest.mark.slow
+def test_bench_tridiagonal_quick(tmp_path):
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": root}
+    out = subprocess.run(
+        [
+            sys.executable,
+            "benchmarks/bench_tridiagonal.py",
+            "--quick",
+            "--repeats",
+            "1",
+            "--json",
+            str(tmp_path / "t.json"),
+        ],
+        cwd=root,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "jax.lax.linalg.tridiagonal_solve (gtsv)" in out.stdout
+    assert "grad: eqx_seq Thomas, axis=0" in out.stdout
+    assert (tmp_path / "t.json").exists()
