@@ -324,6 +324,44 @@ def run_dtype(dtype, batch, n, repeats, with_pcr):
     return dict(forward=rows, gradient=grad_rows, floor_ms=floor)
 
 
+def accuracy(batch=500, n=100):
+    """Relative error per system (max-norm), float32 solves vs float64 gtsv, on three
+    kinds of matrices: median and worst over the systems."""
+    rng = np.random.default_rng(1)
+    cases = {}
+    a, b, c, d = make_data(batch, n, np.float64, seed=1)
+    cases["diagonally dominant"] = (a, b, c, d)
+    cases["random N(0,1), not dominant"] = tuple(
+        rng.normal(size=(batch, n)) for _ in range(4)
+    )
+    tiny = b.copy()
+    tiny[:, 0] = 1e-7
+    cases["dominant but diag[0] = 1e-7"] = (a, tiny, c, d)
+    methods = {
+        "Thomas (SequentialScan)": dict(scan=eqx_seq.SequentialScan()),
+        "PCR (AssociativeScan)": dict(scan=eqx_seq.AssociativeScan()),
+        "pivoting=True (gtsv)": dict(pivoting=True),
+    }
+    out = {}
+    for case, arrays in cases.items():
+        ref = np.asarray(lax_gtsv(*map(jnp.asarray, arrays)))
+        lo32 = [jnp.asarray(x, jnp.float32) for x in arrays]
+        out[case] = {}
+        for name, kw in methods.items():
+            x = np.asarray(eqx_seq.tridiagonal_solve(*lo32, axis=-1, **kw), np.float64)
+            err = np.abs(x - ref).max(-1) / np.abs(ref).max(-1)
+            out[case][name] = (float(np.median(err)), float(err.max()))
+    print(
+        f"\n== accuracy: float32 solves vs float64 gtsv, {batch} systems of size {n}; "
+        "relative error per system, median / worst =="
+    )
+    print(f"{'matrices':32s}" + "".join(f"{m:>26s}" for m in methods))
+    for case, row in out.items():
+        cells = "".join(f"{f'{m:.1e} / {w:.1e}':>26s}" for m, w in row.values())
+        print(f"{case:32s}{cells}")
+    return out
+
+
 def print_tables(dtype_name, batch, n, res):
     print(
         f"\n== forward, {dtype_name}, {batch} systems of size {n}; ms (median), "
@@ -376,6 +414,7 @@ def main():
         res = run_dtype(dtype, batch, n, args.repeats, with_pcr=not args.no_pcr)
         print_tables(name, batch, n, res)
         payload["runs"][name] = res
+    payload["accuracy"] = accuracy()
     write_json(args.json, payload)
 
 

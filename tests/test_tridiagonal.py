@@ -181,6 +181,7 @@ def test_non_dominant_needs_pivoting():
         / scale
     )
     assert err(pivoting=True) < 1e-5
+    assert err(scan=eqx_seq.AssociativeScan()) < 1e-5  # PCR copes with this one
     assert err(scan=eqx_seq.SequentialScan()) > 1e-4  # documented failure mode
     with pytest.raises(RuntimeError, match="not diagonally dominant"):
         eqx_seq.tridiagonal_solve(*args32, check=True)
