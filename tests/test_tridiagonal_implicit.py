@@ -47,8 +47,8 @@ def test_output_solves_its_system(scan, input_dependent, T, getkey):
     layer = randomised(layer, getkey())
     x = 4 * jr.normal(getkey(), (T, 5), jnp.float64)
     y = eqx.filter_jit(layer)(x)
-    lower, diag, upper = layer.diagonals(x)
-    kappa = np.asarray(layer.couplings(x))
+    lower, diag, upper = eqx.filter_jit(layer.diagonals)(x)
+    kappa = np.asarray(eqx.filter_jit(layer.couplings)(x))
     assert y.shape == x.shape and y.dtype == x.dtype
     # residual of its own system
     y_np, l, d, u = map(np.asarray, (y, lower, diag, upper))
