@@ -204,6 +204,16 @@ def _shift(x: Array, s: int, axis: int, fill: float, *, down: bool) -> Array:
     return lax.pad(kept, jnp.asarray(fill, x.dtype), pad)
 
 
+def _zero_corners(l: Array, u: Array, axis: int) -> tuple[Array, Array]:
+    """`l[0]` and `u[-1]` along `axis` (the ignored entries) set to zero."""
+    n = l.shape[axis]
+    index = lax.broadcasted_iota(jnp.int32, (1,) * axis + (n,), axis)
+    index = index.reshape(index.shape + (1,) * (l.ndim - axis - 1))
+    l = jnp.where(index == 0, jnp.zeros((), l.dtype), l)
+    u = jnp.where(index == n - 1, jnp.zeros((), u.dtype), u)
+    return l, u
+
+
 def _pcr(l, d, u, r, *, axis: int, transpose: bool) -> Array:
     """Parallel cyclic reduction along `axis`.
 
@@ -221,8 +231,7 @@ def _pcr(l, d, u, r, *, axis: int, transpose: bool) -> Array:
     index = index.reshape(index.shape + (1,) * (r.ndim - axis - 1))
     zero = jnp.zeros((), r.dtype)
     inv = 1 / d
-    l = jnp.where(index == 0, zero, l * inv)
-    u = jnp.where(index == n - 1, zero, u * inv)
+    l, u = _zero_corners(l * inv, u * inv, axis)
     full = jnp.broadcast_shapes(l.shape, u.shape, r.shape)
     l, u, r = (jnp.broadcast_to(x, full) for x in (l, u, r * inv))
 
@@ -279,11 +288,7 @@ def _pivoting_solve(l, d, u, r, *, axis: int) -> Array:
 def _checked(l, d, u, r, x, *, axis: int, dominance: bool) -> Array:
     """`x`, raising through `eqx.error_if` for non-dominant or singular systems."""
     if dominance:
-        n = r.shape[axis]
-        index = lax.broadcasted_iota(jnp.int32, (1,) * axis + (n,), axis)
-        index = index.reshape(index.shape + (1,) * (r.ndim - axis - 1))
-        l = jnp.where(index == 0, jnp.zeros((), l.dtype), l)
-        u = jnp.where(index == n - 1, jnp.zeros((), u.dtype), u)
+        l, u = _zero_corners(l, u, axis)
         a_l, a_d, a_u = jnp.abs(l), jnp.abs(d), jnp.abs(u)
         by_rows = jnp.all(a_d >= a_l + a_u, axis=axis)
         below = _shift(a_u, 1, axis, 0, down=True)  # |A[i-1, i]|
