@@ -27,6 +27,8 @@ from ._ssm_labels import (
     s5_optimizer as s5_optimizer,
     ssm_param_labels as ssm_param_labels,
 )
+from ._tridiagonal import tridiagonal_solve as tridiagonal_solve
+from ._tridiagonal_implicit import TridiagonalImplicit as TridiagonalImplicit
 
 
 try:

@@ -6,6 +6,7 @@ inputs of several shapes and dtypes; a wrong annotation makes the call fail here
 
 import beartype
 import jax.numpy as jnp
+import jax.random as jr
 import numpy as np
 import pytest
 from jaxtyping import Array, Inexact, jaxtyped, TypeCheckError
@@ -92,3 +93,26 @@ def test_ssm_annotations(kind):
     assert y.shape == (3,)
     labels = checked(eqx_seq.ssm_param_labels)(block)
     assert labels.ssm.B == "ssm"
+
+
+@pytest.mark.parametrize(
+    "shapes,axis",
+    [([(5,)] * 4, 0), ([(5, 1), (5, 1), (5, 1), (5, 3)], 0), ([(3,), (2, 3)] * 2, -1)],
+)
+def test_tridiagonal_solve_annotations(shapes, axis):
+    args = [jnp.full(s, v) for s, v in zip(shapes, [0.5, 3.0, 0.5, 1.0])]
+    out = checked(eqx_seq.tridiagonal_solve)(*args, axis=axis)
+    assert out.shape == jnp.broadcast_shapes(*shapes)
+
+
+@pytest.mark.parametrize("input_dependent", [False, True])
+@pytest.mark.parametrize("T", [1, 6])
+def test_tridiagonal_implicit_annotations(input_dependent, T):
+    layer = eqx_seq.TridiagonalImplicit(
+        3, input_dependent=input_dependent, key=jr.key(0)
+    )
+    x = jnp.ones((T, 3), jnp.float32)
+    assert checked(type(layer).__call__)(layer, x).shape == (T, 3)
+    lower, diag, upper = checked(type(layer).diagonals)(layer, x)
+    assert lower.shape == diag.shape == upper.shape == (T, 3)
+    assert checked(type(layer).couplings)(layer, x).shape == (T - 1, 3)

@@ -1,0 +1,422 @@
+"""Batched tridiagonal solves: eqx_seq vs jax.lax.linalg, the jax-issue-2491 seed,
+NumPy and Numba.
+
+The setting of jax issue 2491: 100k systems of size 100, float32 and float64, in the
+seed's layout (systems along the last axis, shape (100000, 100)) and time-major
+(shape (100, 100000), solved along axis 0). The anchor is
+`jax.lax.linalg.tridiagonal_solve` (LAPACK gtsv, with pivoting) on its native
+last-axis layout; every row gives its time and its ratio to that anchor, measured in
+the same interleaved run. The *seed* is the issue's `lax.scan` TDMA with transposes,
+with its carry `init` corrected to `(batch,)`: as written it broadcasts to
+`(n, batch)` for 2-D inputs and computes n copies of the answer.
+
+"% floor" divides the bandwidth floor by the row's time. The floor is the best of
+twenty runs of `out[:] = a + b + c + d` over the same four arrays into a preallocated
+`out` (four reads, one write: the traffic of an ideal solve), with Numba on all
+cores (NumPy, one core, if Numba is missing), measured in the same run. Gradients are of `sum(x**2)` w.r.t. all four inputs.
+
+    python benchmarks/bench_tridiagonal.py            # about 4 minutes on 2 cores
+    python benchmarks/bench_tridiagonal.py --quick    # 10k systems, a smoke test
+"""
+
+import argparse
+import os
+import sys
+import time
+
+import jax
+
+
+jax.config.update("jax_enable_x64", True)
+
+import jax.lax as lax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+import eqx_seq  # noqa: E402
+
+
+sys.path.insert(0, os.path.dirname(__file__))
+from _timing import machine, measure_many, write_json  # noqa: E402
+
+
+try:
+    import numba
+except ImportError:  # optional anchor
+    numba = None
+
+
+# --- the tools people use today (written here, independent of eqx_seq) ------------
+def lax_gtsv(a, b, c, d):
+    """jax.lax.linalg on (batch, n) data: LAPACK gtsv per system on CPU."""
+    return lax.linalg.tridiagonal_solve(a, b, c, d[..., None])[..., 0]
+
+
+def seed_tdma(a, b, c, d):
+    """jax issue 2491's TDMA: lax.scan over transposed (batch, n) data. The carry
+    init is corrected from (n, batch) to (batch,)."""
+    a, b, c, d = a.T, b.T, c.T, d.T
+
+    def forward(carry, x):
+        cp_prev, dp_prev = carry
+        a_i, b_i, c_i, d_i = x
+        denom = b_i - a_i * cp_prev
+        cp = c_i / denom
+        dp = (d_i - a_i * dp_prev) / denom
+        return (cp, dp), (cp, dp)
+
+    init = jnp.zeros(a.shape[1:], a.dtype)
+    _, (cp, dp) = lax.scan(forward, (init, init), (a, b, c, d))
+
+    def backward(x_next, x):
+        cp_i, dp_i = x
+        x_i = dp_i - cp_i * x_next
+        return x_i, x_i
+
+    _, x = lax.scan(backward, init, (cp, dp), reverse=True)
+    return x.T
+
+
+def scan_time_major(a, b, c, d):
+    """The seed's scan on (n, batch) data: no transposes, no blocking."""
+
+    def forward(carry, x):
+        cp_prev, dp_prev = carry
+        a_i, b_i, c_i, d_i = x
+        denom = b_i - a_i * cp_prev
+        cp = c_i / denom
+        dp = (d_i - a_i * dp_prev) / denom
+        return (cp, dp), (cp, dp)
+
+    init = jnp.zeros(a.shape[1:], a.dtype)
+    _, (cp, dp) = lax.scan(forward, (init, init), (a, b, c, d))
+
+    def backward(x_next, x):
+        cp_i, dp_i = x
+        x_i = dp_i - cp_i * x_next
+        return x_i, x_i
+
+    return lax.scan(backward, init, (cp, dp), reverse=True)[1]
+
+
+def numpy_tdma(a, b, c, d):
+    """The NumPy loop of jax issue 2491, vectorised over systems, (batch, n) data."""
+    n = a.shape[-1]
+    cp = np.empty_like(a)
+    dp = np.empty_like(a)
+    cp[..., 0] = c[..., 0] / b[..., 0]
+    dp[..., 0] = d[..., 0] / b[..., 0]
+    for i in range(1, n):
+        denom = b[..., i] - a[..., i] * cp[..., i - 1]
+        cp[..., i] = c[..., i] / denom
+        dp[..., i] = (d[..., i] - a[..., i] * dp[..., i - 1]) / denom
+    x = np.empty_like(a)
+    x[..., -1] = dp[..., -1]
+    for i in range(n - 2, -1, -1):
+        x[..., i] = dp[..., i] - cp[..., i] * x[..., i + 1]
+    return x
+
+
+def numba_kernels():
+    """Numba TDMAs: per system on (batch, n) data, and SIMD across systems on
+    time-major (n, batch) data in cache-sized column blocks (the research note's
+    fastest CPU kernel). `error_model="numpy"` lets LLVM vectorise the divisions."""
+    jit = numba.njit(parallel=True, fastmath=False, error_model="numpy", cache=False)
+
+    @jit
+    def per_system(a, b, c, d):
+        batch, n = a.shape
+        x = np.empty_like(d)
+        for s in numba.prange(batch):
+            cp = np.empty(n, a.dtype)
+            dp = np.empty(n, a.dtype)
+            cp[0] = c[s, 0] / b[s, 0]
+            dp[0] = d[s, 0] / b[s, 0]
+            for i in range(1, n):
+                denom = b[s, i] - a[s, i] * cp[i - 1]
+                cp[i] = c[s, i] / denom
+                dp[i] = (d[s, i] - a[s, i] * dp[i - 1]) / denom
+            x[s, n - 1] = dp[n - 1]
+            for i in range(n - 2, -1, -1):
+                x[s, i] = dp[i] - cp[i] * x[s, i + 1]
+        return x
+
+    @jit
+    def time_major(a, b, c, d):
+        n, batch = a.shape
+        block = 1024
+        x = np.empty_like(d)
+        for k in numba.prange((batch + block - 1) // block):
+            lo = k * block
+            hi = min(lo + block, batch)
+            m = hi - lo
+            cp = np.empty((n, m), a.dtype)
+            dp = np.empty((n, m), a.dtype)
+            for j in range(m):
+                cp[0, j] = c[0, lo + j] / b[0, lo + j]
+                dp[0, j] = d[0, lo + j] / b[0, lo + j]
+            for i in range(1, n):
+                for j in range(m):
+                    denom = b[i, lo + j] - a[i, lo + j] * cp[i - 1, j]
+                    cp[i, j] = c[i, lo + j] / denom
+                    dp[i, j] = (d[i, lo + j] - a[i, lo + j] * dp[i - 1, j]) / denom
+            for j in range(m):
+                x[n - 1, lo + j] = dp[n - 1, j]
+            for i in range(n - 2, -1, -1):
+                for j in range(m):
+                    x[i, lo + j] = dp[i, j] - cp[i, j] * x[i + 1, lo + j]
+        return x
+
+    return per_system, time_major
+
+
+def stream_floor_ms(arrays, repeats=20):
+    """Best time of `out[:] = a + b + c + d` into a preallocated `out`, in ms."""
+    a, b, c, d = arrays
+    out = np.empty_like(a)
+    if numba is not None:
+
+        @numba.njit(parallel=True)
+        def stream(a, b, c, d, out):
+            flat = out.reshape(-1)
+            fa, fb, fc, fd = a.reshape(-1), b.reshape(-1), c.reshape(-1), d.reshape(-1)
+            for i in numba.prange(flat.size):
+                flat[i] = fa[i] + fb[i] + fc[i] + fd[i]
+
+    else:
+
+        def stream(a, b, c, d, out):
+            np.add(a, b, out=out)
+            out += c
+            out += d
+
+    stream(a, b, c, d, out)
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        stream(a, b, c, d, out)
+        best = min(best, time.perf_counter() - start)
+    return 1e3 * best
+
+
+def make_data(batch, n, dtype, seed=0):
+    """Diagonally dominant systems, (batch, n), the ignored corners zeroed."""
+    rng = np.random.default_rng(seed)
+    a = rng.uniform(-1, 1, (batch, n))
+    c = rng.uniform(-1, 1, (batch, n))
+    b = (np.abs(a) + np.abs(c) + 1 + rng.uniform(0, 1, (batch, n))) * rng.choice(
+        [-1.0, 1.0], (batch, n)
+    )
+    d = rng.uniform(-1, 1, (batch, n))
+    a[:, 0] = 0
+    c[:, -1] = 0
+    return tuple(np.ascontiguousarray(x, dtype) for x in (a, b, c, d))
+
+
+def ours(scan=None, axis=0, pivoting=False):
+    kw = dict(axis=axis, pivoting=pivoting)
+    if scan is not None:
+        kw["scan"] = scan
+    return lambda a, b, c, d: eqx_seq.tridiagonal_solve(a, b, c, d, **kw)
+
+
+def grad_of(solve):
+    loss = lambda *args: jnp.sum(solve(*args) ** 2)
+    return jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))
+
+
+ANCHOR = "jax.lax.linalg.tridiagonal_solve (gtsv)"
+
+
+def run_dtype(dtype, batch, n, repeats, with_pcr):
+    last = make_data(batch, n, dtype)  # (batch, n): the seed's layout
+    tm = tuple(np.ascontiguousarray(x.T) for x in last)  # (n, batch)
+    last_j = tuple(jnp.asarray(x) for x in last)
+    tm_j = tuple(jnp.asarray(x) for x in tm)
+    thomas, pcr = eqx_seq.SequentialScan(), eqx_seq.AssociativeScan()
+    fwd = {
+        ANCHOR: ("last", jax.jit(lax_gtsv), last_j),
+        "seed: lax.scan with transposes (init fixed)": (
+            "last",
+            jax.jit(seed_tdma),
+            last_j,
+        ),
+        "eqx_seq Thomas (SequentialScan), axis=-1": (
+            "last",
+            jax.jit(ours(thomas, axis=-1)),
+            last_j,
+        ),
+        "eqx_seq pivoting=True, axis=-1": (
+            "last",
+            jax.jit(ours(axis=-1, pivoting=True)),
+            last_j,
+        ),
+        "plain lax.scan Thomas, time-major": ("tm", jax.jit(scan_time_major), tm_j),
+        "eqx_seq Thomas (SequentialScan), axis=0": (
+            "tm",
+            jax.jit(ours(thomas, axis=0)),
+            tm_j,
+        ),
+    }
+    slow = []
+    if with_pcr:
+        fwd["eqx_seq PCR (AssociativeScan), axis=0"] = (
+            "tm",
+            jax.jit(ours(pcr, axis=0)),
+            tm_j,
+        )
+        slow.append("eqx_seq PCR (AssociativeScan), axis=0")
+    fwd["NumPy vectorised loop (issue 2491)"] = ("last", numpy_tdma, last)
+    slow.append("NumPy vectorised loop (issue 2491)")
+    if numba is not None:
+        per_system, time_major = numba_kernels()
+        fwd["Numba per system, prange"] = ("last", per_system, last)
+        fwd["Numba SIMD across systems, time-major, prange"] = ("tm", time_major, tm)
+    programs = {name: (fn, args) for name, (_, fn, args) in fwd.items()}
+    grads = {
+        "grad: jax.lax.linalg.tridiagonal_solve": (grad_of(lax_gtsv), last_j),
+        "grad: eqx_seq Thomas, axis=-1": (grad_of(ours(thomas, axis=-1)), last_j),
+        "grad: eqx_seq Thomas, axis=0": (grad_of(ours(thomas, axis=0)), tm_j),
+    }
+    programs.update(grads)
+    timed = measure_many(programs, repeats=repeats, slow=tuple(slow))
+
+    # accuracy against float64 gtsv on the same (rounded) inputs
+    ref = np.asarray(lax_gtsv(*(jnp.asarray(x, jnp.float64) for x in last)))
+    scale = np.abs(ref).max()
+    rows = []
+    anchor = timed[ANCHOR]["median_ms"]
+    floor = stream_floor_ms(tm)
+    for name, (layout, fn, args) in fwd.items():
+        out = np.asarray(fn(*args))
+        out = out.T if layout == "tm" else out
+        err = np.abs(out.astype(np.float64) - ref).max() / scale
+        t = timed[name]
+        rows.append(
+            dict(
+                name=name,
+                layout="(n, batch)" if layout == "tm" else "(batch, n)",
+                ms=t["median_ms"],
+                ratio=t["median_ms"] / anchor,
+                floor_pct=100 * floor / t["median_ms"],
+                first_s=t["first_call_s"],
+                relerr=float(err),
+            )
+        )
+    grad_rows = []
+    fwd_of = {
+        "grad: jax.lax.linalg.tridiagonal_solve": ANCHOR,
+        "grad: eqx_seq Thomas, axis=-1": "eqx_seq Thomas (SequentialScan), axis=-1",
+        "grad: eqx_seq Thomas, axis=0": "eqx_seq Thomas (SequentialScan), axis=0",
+    }
+    anchor_grad = timed["grad: jax.lax.linalg.tridiagonal_solve"]["median_ms"]
+    for name in grads:
+        t = timed[name]
+        grad_rows.append(
+            dict(
+                name=name,
+                ms=t["median_ms"],
+                per_fwd=t["median_ms"] / timed[fwd_of[name]]["median_ms"],
+                ratio=t["median_ms"] / anchor_grad,
+                first_s=t["first_call_s"],
+            )
+        )
+    return dict(forward=rows, gradient=grad_rows, floor_ms=floor)
+
+
+def accuracy(batch=500, n=100):
+    """Relative error per system (max-norm), float32 solves vs float64 gtsv, on three
+    kinds of matrices: median and worst over the systems."""
+    rng = np.random.default_rng(1)
+    cases = {}
+    a, b, c, d = make_data(batch, n, np.float64, seed=1)
+    cases["diagonally dominant"] = (a, b, c, d)
+    cases["random N(0,1), not dominant"] = tuple(
+        rng.normal(size=(batch, n)) for _ in range(4)
+    )
+    tiny = b.copy()
+    tiny[:, 0] = 1e-7
+    cases["dominant but diag[0] = 1e-7"] = (a, tiny, c, d)
+    methods = {
+        "Thomas (SequentialScan)": dict(scan=eqx_seq.SequentialScan()),
+        "PCR (AssociativeScan)": dict(scan=eqx_seq.AssociativeScan()),
+        "pivoting=True (gtsv)": dict(pivoting=True),
+    }
+    out = {}
+    for case, arrays in cases.items():
+        ref = np.asarray(lax_gtsv(*map(jnp.asarray, arrays)))
+        lo32 = [jnp.asarray(x, jnp.float32) for x in arrays]
+        out[case] = {}
+        for name, kw in methods.items():
+            x = np.asarray(eqx_seq.tridiagonal_solve(*lo32, axis=-1, **kw), np.float64)
+            err = np.abs(x - ref).max(-1) / np.abs(ref).max(-1)
+            out[case][name] = (float(np.median(err)), float(err.max()))
+    print(
+        f"\n== accuracy: float32 solves vs float64 gtsv, {batch} systems of size {n}; "
+        "relative error per system, median / worst =="
+    )
+    print(f"{'matrices':32s}" + "".join(f"{m:>26s}" for m in methods))
+    for case, row in out.items():
+        cells = "".join(f"{f'{m:.1e} / {w:.1e}':>26s}" for m, w in row.values())
+        print(f"{case:32s}{cells}")
+    return out
+
+
+def print_tables(dtype_name, batch, n, res):
+    print(
+        f"\n== forward, {dtype_name}, {batch} systems of size {n}; ms (median), "
+        f"ratio to {ANCHOR} =="
+    )
+    print(
+        f"{'method':48s} {'layout':11s} {'ms':>9s} {'x gtsv':>7s} {'% floor':>8s} "
+        f"{'compile s':>9s} {'rel. err':>9s}"
+    )
+    for r in res["forward"]:
+        print(
+            f"{r['name']:48s} {r['layout']:11s} {r['ms']:9.1f} {r['ratio']:7.2f} "
+            f"{r['floor_pct']:7.1f}% {r['first_s']:9.2f} {r['relerr']:9.1e}"
+        )
+    print(
+        f"(floor: out[:] = a + b + c + d over the same arrays, best of 20 = "
+        f"{res['floor_ms']:.1f} ms)"
+    )
+    print(f"\n== gradient of sum(x**2) w.r.t. all four inputs, {dtype_name} ==")
+    print(
+        f"{'method':48s} {'ms':>9s} {'x own fwd':>9s} {'x lax grad':>10s} {'compile s':>9s}"
+    )
+    for r in res["gradient"]:
+        print(
+            f"{r['name']:48s} {r['ms']:9.1f} {r['per_fwd']:9.2f} {r['ratio']:10.2f} "
+            f"{r['first_s']:9.2f}"
+        )
+
+
+def main():
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--quick", action="store_true", help="10k systems, smoke test")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--no-pcr", action="store_true", help="skip the slow PCR row")
+    parser.add_argument(
+        "--json",
+        default=os.path.join(os.path.dirname(__file__), "results", "tridiagonal.json"),
+    )
+    args = parser.parse_args()
+    batch, n = (10_000, 100) if args.quick else (100_000, 100)
+    info = machine()
+    print(
+        f"machine: {info['cpu']} ({info['cores']} cores), {info['platform']}, "
+        f"jax {info['jax']}, numba {numba.__version__ if numba else 'not installed'}"
+    )
+    payload = {"machine": info, "batch": batch, "n": n, "runs": {}}
+    for dtype, name in [(np.float32, "float32"), (np.float64, "float64")]:
+        res = run_dtype(dtype, batch, n, args.repeats, with_pcr=not args.no_pcr)
+        print_tables(name, batch, n, res)
+        payload["runs"][name] = res
+    payload["accuracy"] = accuracy()
+    write_json(args.json, payload)
+
+
+if __name__ == "__main__":
+    main()
