@@ -171,7 +171,9 @@ def main():
             losses.append(float(loss))
             accs.append(float(acc))
             if bar is not None:
-                bar.set_postfix(loss=f"{np.mean(losses):.3f}", acc=f"{np.mean(accs):.3f}")
+                bar.set_postfix(
+                    loss=f"{np.mean(losses):.3f}", acc=f"{np.mean(accs):.3f}"
+                )
         if bar is not None:
             bar.close()
         test_acc = accuracy(model, x_test, y_test)

@@ -138,3 +138,19 @@ def test_train_char_lm_example(tmp_path):
     )
     assert "held-out bits per character" in out and "sample (step mode" in out
     assert (tmp_path / "model.eqx").exists() and (tmp_path / "sample.txt").exists()
+
+
+def test_tridiagonal_smoother_example(tmp_path):
+    out = run(
+        "examples/tridiagonal_smoother.py",
+        "--steps",
+        "3",
+        "--batch-size",
+        "4",
+        "--length",
+        "32",
+        "--out",
+        str(tmp_path),
+    )
+    assert "learned kappa" in out and "smoothed error / noisy error" in out
+    assert (tmp_path / "layer.eqx").exists() and (tmp_path / "smoothing.png").exists()
