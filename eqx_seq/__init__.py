@@ -7,6 +7,11 @@ from ._jacobians import (
     recurrence_jacobians as recurrence_jacobians,
     RecurrenceJacobians as RecurrenceJacobians,
 )
+from ._kalman import (
+    KalmanFilter as KalmanFilter,
+    KalmanFilterResult as KalmanFilterResult,
+    KalmanSmootherResult as KalmanSmootherResult,
+)
 from ._recurrence import linear_recurrence as linear_recurrence
 from ._scan import (
     AbstractScan as AbstractScan,
