@@ -185,11 +185,30 @@ def _whiten(L_R: Array, obs: Array, R_varies: bool) -> tuple[Array, Array]:
 # --- one filter step (shared by both backends) ---
 
 
+# Up to this size the sequential step multiplies matrices as broadcast products and
+# sums, which XLA fuses into a few loop kernels; `@` becomes a library call per
+# product whose overhead dominates at these sizes (measured 3x faster at n=4, on par
+# at n=16; benchmarks/README.md).
+_ELEMENTWISE_MAX = 16
+
+
+def _mm(A: Array, B: Array) -> Array:
+    if max(A.shape[-1], A.shape[-2], B.shape[-1]) > _ELEMENTWISE_MAX:
+        return A @ B
+    return jnp.sum(A[:, :, None] * B[None, :, :], axis=1)
+
+
+def _mv(A: Array, x: Array) -> Array:
+    if max(A.shape) > _ELEMENTWISE_MAX:
+        return A @ x
+    return jnp.sum(A * x[None, :], axis=1)
+
+
 def _predict(m: Array, P: Array, F: Array, L_Q: Array, c: Array | None):
-    m = F @ m
+    m = _mv(F, m)
     if c is not None:
         m = m + c
-    P = _sym(F @ P @ _mT(F) + _gram(L_Q))
+    P = _sym(_mm(_mm(F, P), F.T) + _mm(L_Q, L_Q.T))
     return m, P
 
 
@@ -202,12 +221,12 @@ def _update(m: Array, P: Array, y: Array, Hw: Array, obs: Array):
     ll = jnp.zeros((), m.dtype)
     for j in range(y.shape[0]):
         h = Hw[j]
-        Ph = P @ h
-        s = h @ Ph + 1  # >= 1: the whitened noise has unit variance
-        e = y[j] - h @ m
+        Ph = _mv(P, h)
+        s = jnp.sum(h * Ph) + 1  # >= 1: the whitened noise has unit variance
+        e = y[j] - jnp.sum(h * m)
         k = Ph / s
         m = m + k * e
-        P = P - jnp.outer(k, Ph)
+        P = P - k[:, None] * Ph[None, :]
         ll = ll + jnp.where(obs[j], -0.5 * (_LOG_2PI + jnp.log(s) + e * e / s), 0)
     return m, _sym(P), ll
 
@@ -241,13 +260,16 @@ def _filter_sequential(model: _Model, c, yw, obs, W, logdet) -> KalmanFilterResu
         L_Q = x["L_Q"] if Q_v else model.L_Q
         m_pred, P_pred = _predict(m, P, F, L_Q, x.get("c"))
         if Hw_const is None:
-            Hw = (x["W"] if W_v else W) @ (x["H"] if H_v else model.H)
+            Hw = _mm(x["W"] if W_v else W, x["H"] if H_v else model.H)
         else:
             Hw = Hw_const
         m, P, ll = _update(m_pred, P_pred, x["y"], Hw, x["obs"])
         return (m, P), (m, P, m_pred, P_pred, ll)
 
     P0 = _gram(model.L_P0)
+    # rematerialised in the backward pass: storing every intermediate of the unrolled
+    # scalar updates made reverse mode 5x slower (measured, n=16, p=8)
+    step = jax.checkpoint(step)
     _, (ms, Ps, mps, Pps, lls) = lax.scan(step, (model.m0, P0), xs)
     lls = lls - logdet
     return KalmanFilterResult(ms, Ps, mps, Pps, lls, jnp.sum(lls))
@@ -298,19 +320,31 @@ def _filter_elements(model: _Model, c, yw, obs, W):
 
 
 def _combine_filter(earlier, later):
-    """`p(x_k | x_i, y_{i+1..k})` from the elements over `(i, j]` and `(j, k]`."""
+    """`p(x_k | x_i, y_{i+1..k})` from the elements over `(i, j]` and `(j, k]`.
+
+    The paper's `(I + C_i J_j)^{-1}` is applied through Cholesky factors only:
+    with `C_i = U U^T` and `W = I + U^T J_j U` (symmetric, eigenvalues >= 1),
+    `(I + C_i J_j)^{-1} = I - U W^{-1} U^T J_j`, `(I + C_i J_j)^{-1} C_i =
+    U W^{-1} U^T` and `J_j (I + C_i J_j)^{-1} = J_j - J_j U W^{-1} U^T J_j`, so
+    the combined `C` and `J` are symmetric by construction.
+    """
     A_i, b_i, C_i, eta_i, J_i = earlier
     A_j, b_j, C_j, eta_j, J_j = later
     n = b_i.shape[-1]
-    X = jnp.eye(n, dtype=b_i.dtype) + C_i @ J_j
-    lu = jsl.lu_factor(X)
-    A_j_Xinv = jsl.lu_solve(lu, A_j.T, trans=1).T  # A_j (I + C_i J_j)^{-1}
-    Xinv_A_i = jsl.lu_solve(lu, A_i)  # (I + C_i J_j)^{-1} A_i
-    A = A_j_Xinv @ A_i
-    b = A_j_Xinv @ (b_i + C_i @ eta_j) + b_j
-    C = _sym(A_j_Xinv @ C_i @ A_j.T + C_j)
-    eta = Xinv_A_i.T @ (eta_j - J_j @ b_i) + eta_i
-    J = _sym(Xinv_A_i.T @ J_j @ A_i + J_i)
+    eye = jnp.eye(n, dtype=b_i.dtype)
+    U = _chol(C_i)
+    UtJ = U.T @ J_j
+    L_W = jnp.linalg.cholesky(_sym(eye + UtJ @ U))
+    Z = jsl.solve_triangular(L_W, UtJ, lower=True)  # L_W^{-1} U^T J_j
+    V = jsl.solve_triangular(L_W, U.T, lower=True)  # L_W^{-1} U^T
+    M = eye - V.T @ Z  # (I + C_i J_j)^{-1}
+    A_j_M = A_j @ M
+    A = A_j_M @ A_i
+    b = A_j_M @ (b_i + C_i @ eta_j) + b_j
+    AV = A_j @ V.T
+    C = _sym(AV @ AV.T + C_j)
+    eta = A_i.T @ (M.T @ (eta_j - J_j @ b_i)) + eta_i
+    J = _sym(A_i.T @ (J_j - Z.T @ Z) @ A_i + J_i)
     return A, b, C, eta, J
 
 
@@ -404,10 +438,6 @@ def _uses_associative(scan: AbstractScan) -> bool:
     return isinstance(chosen, AssociativeScan)
 
 
-# Set to False to whiten per step even without missing data (for measurements).
-_SKIP_MISSING_BRANCH = True
-
-
 def _filter(kf: "KalmanFilter", ys: Array, us: Array | None) -> KalmanFilterResult:
     model = kf._model()
     T = ys.shape[0]
@@ -417,24 +447,37 @@ def _filter(kf: "KalmanFilter", ys: Array, us: Array | None) -> KalmanFilterResu
     if kf.D is not None:
         y = jnp.where(obs, y - us @ kf.D.T, 0)
     R_varies = _per_step(model.L_R, 2)
-    run = _filter_parallel if _uses_associative(kf.scan) else _filter_sequential
+    assoc = _uses_associative(kf.scan)
+    run = _filter_parallel if assoc else _filter_sequential
 
     def with_whitening(W, logdet):
         yw = jnp.einsum("ij,tj->ti" if W.ndim == 2 else "tij,tj->ti", W, y)
         return run(model, c, yw, obs, W, logdet)
 
-    def missing():
-        return with_whitening(*_whiten(model.L_R, obs, R_varies))
-
-    def complete():
+    def complete_whitening():
         L = model.L_R
         W = jsl.solve_triangular(L, _eye_like(L), lower=True)
         logdet = jnp.sum(jnp.log(jnp.diagonal(L, axis1=-2, axis2=-1)), axis=-1)
-        return with_whitening(W, jnp.broadcast_to(logdet, (T,)))
+        return W, jnp.broadcast_to(logdet, (T,))
 
-    if not _SKIP_MISSING_BRANCH:
-        return missing()
-    return lax.cond(jnp.all(obs), complete, missing)
+    if assoc:
+        # one copy of the (slow to compile) parallel program: only the whitening
+        # matrices depend on whether anything is missing
+        def complete():
+            W, logdet = complete_whitening()
+            return jnp.broadcast_to(W, (T, *W.shape[-2:])), logdet
+
+        W, logdet = lax.cond(
+            jnp.all(obs), complete, lambda: _whiten(model.L_R, obs, R_varies)
+        )
+        return with_whitening(W, logdet)
+    # sequential: the whole filter per branch, so that complete data keep one
+    # constant whitening matrix outside the loop
+    return lax.cond(
+        jnp.all(obs),
+        lambda: with_whitening(*complete_whitening()),
+        lambda: with_whitening(*_whiten(model.L_R, obs, R_varies)),
+    )
 
 
 def _check_matrix(name: str, x: Array, shape: tuple[int, ...], T: int | None) -> None:
