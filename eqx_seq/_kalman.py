@@ -144,11 +144,6 @@ class _Model(eqx.Module):
     L_P0: Array
 
 
-def _at(x: Array, t: Any, ndim: int) -> Array:
-    """Step `t` of a possibly time-varying parameter of per-step rank `ndim`."""
-    return x[t] if x.ndim > ndim else x
-
-
 def _per_step(x: Array, ndim: int) -> bool:
     return x.ndim > ndim
 
@@ -480,7 +475,7 @@ def _filter(kf: "KalmanFilter", ys: Array, us: Array | None) -> KalmanFilterResu
     )
 
 
-def _check_matrix(name: str, x: Array, shape: tuple[int, ...], T: int | None) -> None:
+def _check_matrix(name: str, x: Array, shape: tuple[int, ...]) -> None:
     """`x` has per-step shape `shape`, optionally with a leading time axis."""
     ok = x.shape == shape or (x.ndim == len(shape) + 1 and x.shape[1:] == shape)
     if not ok:
@@ -693,8 +688,8 @@ class KalmanFilter(eqx.Module):
         p = H.shape[-2]
         if a["m0"].shape != (n,):
             raise ValueError(f"`m0` must have shape ({n},), got {a['m0'].shape}.")
-        _check_matrix("Q", a["Q"], (n, n), None)
-        _check_matrix("R", a["R"], (p, p), None)
+        _check_matrix("Q", a["Q"], (n, n))
+        _check_matrix("R", a["R"], (p, p))
         if a["P0"].shape != (n, n):
             raise ValueError(f"`P0` must have shape ({n}, {n}), got {a['P0'].shape}.")
         c = 0
