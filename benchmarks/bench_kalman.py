@@ -9,8 +9,11 @@ float32, one sequence, constant model; state 4 / obs 2 and state 16 / obs 8; T i
   divided by our own forward filter), and dynamax's;
 - "seq smoother": our RTS smoother and dynamax's `lgssm_smoother`;
 - "par filter": our parallel (Särkkä & García-Fernández) filter, compile time
-  reported. Parallel programs run in a subprocess with a timeout: long
-  `lax.associative_scan` programs have stalled on this CPU (benchmarks/README.md).
+  reported; its scan is `eqx_seq._level_scan.level_scan` (levels as a loop).
+  "par (lax.assoc)" is the same filter with `lax.associative_scan` swapped in,
+  for comparison (the previous implementation). Parallel programs run in a
+  subprocess with a timeout: long `lax.associative_scan` programs have stalled on
+  this CPU (benchmarks/README.md).
 
     python benchmarks/bench_kalman.py            # a few minutes
     python benchmarks/bench_kalman.py --quick    # T=1k only, one size: a smoke test
@@ -81,8 +84,14 @@ def programs(n, p, T):
     return progs, check
 
 
-def parallel_child(n, p, T, repeats):
+def parallel_child(n, p, T, repeats, use_lax):
     """Run in a subprocess: compile and time our parallel filter."""
+    if use_lax:
+        from eqx_seq import _kalman
+
+        _kalman.level_scan = lambda fn, elems, reverse=False: jax.lax.associative_scan(
+            fn, elems, reverse=reverse
+        )
     kf = model(n, p, eqx_seq.AssociativeScan())
     _, ys = kf.sample(jr.key(1), T)
     f = eqx.filter_jit(lambda kf, ys: kf.filter(ys))
@@ -110,8 +119,8 @@ def parallel_child(n, p, T, repeats):
     )
 
 
-def parallel(n, p, T, repeats, timeout):
-    cmd = [sys.executable, __file__, "--child", f"{n},{p},{T},{repeats}"]
+def parallel(n, p, T, repeats, timeout, use_lax):
+    cmd = [sys.executable, __file__, "--child", f"{n},{p},{T},{repeats},{use_lax:d}"]
     try:
         out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -170,23 +179,29 @@ def main():
                     f"{n:>2d}/{p:<2d} {T:>7d} {name:24s} {r['median_ms']:9.2f} "
                     f"{r['median_ms'] / fwd:6.2f} {xd:>9s} {r['first_call_s']:9.2f}"
                 )
-            par = {"status": "skipped: only T <= 10k"}
-            if T <= 10_000:
-                par = parallel(n, p, T, max(1, repeats // 2), args.parallel_timeout)
-            if "median_ms" in par:
-                print(
-                    f"{n:>2d}/{p:<2d} {T:>7d} {'ours: par filter':24s} "
-                    f"{par['median_ms']:9.2f} {par['median_ms'] / fwd:6.2f} "
-                    f"{'':>9s} {par['compile_s']:9.2f}   "
-                    f"(loglik vs seq: {par['loglik_rel_diff_vs_seq']:.1e} rel)"
-                )
-            else:
-                print(
-                    f"{n:>2d}/{p:<2d} {T:>7d} {'ours: par filter':24s} {par['status']}"
-                )
+            pars = {}
+            for label, use_lax in (("par filter", 0), ("par (lax.assoc)", 1)):
+                par = {"status": "skipped: only T <= 10k"}
+                if T <= 10_000:
+                    par = parallel(
+                        n, p, T, max(1, repeats // 2), args.parallel_timeout, use_lax
+                    )
+                pars[label] = par
+                if "median_ms" in par:
+                    print(
+                        f"{n:>2d}/{p:<2d} {T:>7d} {'ours: ' + label:24s} "
+                        f"{par['median_ms']:9.2f} {par['median_ms'] / fwd:6.2f} "
+                        f"{'':>9s} {par['compile_s']:9.2f}   "
+                        f"(loglik vs seq: {par['loglik_rel_diff_vs_seq']:.1e} rel)"
+                    )
+                else:
+                    print(
+                        f"{n:>2d}/{p:<2d} {T:>7d} {'ours: ' + label:24s} "
+                        f"{par['status']}"
+                    )
             ll = ", ".join(f"{k} {v:.6g}" for k, v in check.items())
             print(f"{'':14s} log-likelihoods: {ll}")
-            payload["runs"][f"{n}/{p}/{T}"] = {"seq": res, "par": par, "loglik": check}
+            payload["runs"][f"{n}/{p}/{T}"] = {"seq": res, "par": pars, "loglik": check}
     write_json(args.json, payload)
 
 

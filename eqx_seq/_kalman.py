@@ -33,6 +33,7 @@ import jax.random as jr
 import jax.scipy.linalg as jsl
 from jaxtyping import Array, ArrayLike, Float, PRNGKeyArray
 
+from ._level_scan import level_scan
 from ._misc import check_positive_int
 from ._scan import AbstractScan, AssociativeScan, AutoScan
 
@@ -357,7 +358,7 @@ def _predictions(model: _Model, c, ms, Ps):
 
 def _filter_parallel(model: _Model, c, yw, obs, W, logdet) -> KalmanFilterResult:
     elements = _filter_elements(model, c, yw, obs, W)
-    _, ms, Ps, _, _ = lax.associative_scan(jax.vmap(_combine_filter), elements)
+    _, ms, Ps, _, _ = level_scan(jax.vmap(_combine_filter), elements)
     # the log-likelihood from the filtered states, after the scan (see module doc)
     mps, Pps = _predictions(model, c, ms, Ps)
     T = yw.shape[0]
@@ -406,9 +407,7 @@ def _combine_smoother(later, earlier):
 def _smooth(model: _Model, filtered: KalmanFilterResult, assoc: bool):
     E, g, L = _smoother_elements(model, filtered)
     if assoc:
-        _, ms, Ps = lax.associative_scan(
-            jax.vmap(_combine_smoother), (E, g, L), reverse=True
-        )
+        _, ms, Ps = level_scan(jax.vmap(_combine_smoother), (E, g, L), reverse=True)
     else:
 
         def step(carry, x):

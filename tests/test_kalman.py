@@ -145,9 +145,24 @@ def case(name, seed=0):
     return model, ys, us
 
 
-# the parallel program is slow to compile on CPU: fewer cases, one program each
-PAIRS = [("sequential", c) for c in CASES] + [
-    ("associative", c) for c in ("plain", "all")
+# Fast cases: "all" (time-varying + controls + missing) covers each feature on both
+# backends; "plain" and "missing" share one program. The single-feature cases add
+# no property that "all" does not check, so they run with `-m slow` only.
+PAIRS = [
+    ("sequential", "plain"),
+    ("sequential", "missing"),
+    ("sequential", "all"),
+    ("associative", "plain"),
+    ("associative", "all"),
+] + [
+    pytest.param(b, c, marks=pytest.mark.slow)
+    for b, c in [
+        ("sequential", "time_varying"),
+        ("sequential", "controls"),
+        ("associative", "missing"),
+        ("associative", "time_varying"),
+        ("associative", "controls"),
+    ]
 ]
 
 
@@ -165,7 +180,7 @@ def test_filter_and_smoother_match_reference(backend, name):
     np.testing.assert_allclose(out.predicted_covs, f["Pp"], **tol)
     np.testing.assert_allclose(out.log_likelihoods, f["ll"], **tol)
     np.testing.assert_allclose(out.log_likelihood, f["ll"].sum(), **tol)
-    if backend == "sequential":
+    if (backend, name) == ("sequential", "plain"):  # the thin wrappers, once
         np.testing.assert_allclose(kf.log_likelihood(ys, us=us), f["ll"].sum(), **tol)
         np.testing.assert_allclose(kf(ys, us=us), f["m"], **tol)
         np.testing.assert_allclose(kf.filter(ys, us=us).covs, f["P"], **tol)
@@ -194,20 +209,25 @@ def constant_velocity(T, dtype):
     return model, np.array(ys)
 
 
+FAR_T = 1000  # the f32 programs are shared with test_backends_agree_float32
+
+
 @pytest.mark.parametrize("backend", list(BACKENDS))
 def test_log_likelihood_far_from_zero(backend):
     """Parallel filters that accumulate the likelihood in the scan get this wrong."""
-    model, ys = constant_velocity(1000, np.float64)
+    model, ys = constant_velocity(FAR_T, np.float64)
     assert np.abs(ys).max() > 1e3
     f = np_filter(
         model["F"], model["H"], model["Q"], model["R"], model["m0"], model["P0"], ys
     )
     ref = f["ll"].sum()
     kf64 = build(model, BACKENDS[backend])
-    np.testing.assert_allclose(kf64.log_likelihood(ys), ref, rtol=1e-9)
+    np.testing.assert_allclose(kf64.smooth(ys).filtered.log_likelihood, ref, rtol=1e-9)
     kf32 = build(model, BACKENDS[backend], dtype=jnp.float32)
-    ll32 = kf32.log_likelihood(ys.astype(np.float32))
-    assert abs(float(ll32) - ref) < 0.05, (float(ll32), ref)
+    ll32 = kf32.smooth(ys.astype(np.float32)).filtered.log_likelihood
+    # float32 rounding of states ~3e3 alone moves it by ~0.01-0.1 nats, depending
+    # on the order of the combines; the in-scan likelihood was 24-39 nats off
+    assert abs(float(ll32) / ref - 1) < 1e-4, (float(ll32), ref)
 
 
 def _directional_fd(fn, tree, direction, eps=1e-6):
@@ -218,17 +238,24 @@ def _directional_fd(fn, tree, direction, eps=1e-6):
 
 @pytest.mark.parametrize(
     "backend,name",
-    [("sequential", "missing"), ("sequential", "all"), ("associative", "all")],
+    [
+        ("sequential", "all"),
+        ("associative", "all"),
+        pytest.param("sequential", "missing", marks=pytest.mark.slow),
+    ],
 )
-def test_log_likelihood_gradient_matches_finite_differences(backend, name):
+def test_gradient_matches_finite_differences(backend, name):
+    """Log-likelihood plus a weighted sum of the filtered means (the layer output)."""
     model, ys, us = case(name, seed=3)
     kf = build(model, BACKENDS[backend])
     params, static = eqx.partition(kf, eqx.is_inexact_array)
     ys_j = jnp.asarray(ys)
     obs = ~np.isnan(ys)
+    w = np.random.default_rng(1).normal(size=(ys.shape[0], 3)) / ys.shape[0]
 
     def loss(params, ys):
-        return eqx.combine(params, static).log_likelihood(ys, us=us)
+        out = eqx.combine(params, static).filter(ys, us=us)
+        return out.log_likelihood + jnp.sum(w * out.means)
 
     grad_p, grad_y = jax.jit(jax.grad(loss, argnums=(0, 1)))(params, ys_j)
     assert np.all(np.asarray(grad_y)[~obs] == 0)
@@ -251,24 +278,6 @@ def test_log_likelihood_gradient_matches_finite_differences(backend, name):
     np.testing.assert_allclose(jnp.vdot(grad_y, y_dir), fd_y, rtol=1e-6)
 
 
-def test_filtered_means_gradient_matches_finite_differences():
-    model, ys, us = case("controls", seed=4)
-    kf = build(model, eqx_seq.SequentialScan())
-    params, static = eqx.partition(kf, eqx.is_inexact_array)
-    w = np.random.default_rng(1).normal(size=(ys.shape[0], 3))
-
-    def loss(params):
-        return jnp.sum(w * eqx.combine(params, static)(ys, us=us))
-
-    g = jax.grad(loss)(params)
-    direction = jax.tree.map(lambda x: jnp.ones_like(x) * 0.3, params)
-    fd = _directional_fd(loss, params, direction)
-    ad = sum(
-        jnp.vdot(a, d) for a, d in zip(jax.tree.leaves(g), jax.tree.leaves(direction))
-    )
-    np.testing.assert_allclose(ad, fd, rtol=1e-6)
-
-
 def test_float32_long_run_agrees_with_float64():
     """T=100k in float32: finite, log-likelihood within 1e-3 relative of float64."""
     rng = np.random.default_rng(7)
@@ -276,19 +285,24 @@ def test_float32_long_run_agrees_with_float64():
     kf64 = build(model, eqx_seq.SequentialScan())
     _, ys = kf64.sample(jr.key(0), 100_000)
     kf32 = build(model, eqx_seq.SequentialScan(), dtype=jnp.float32)
-    out32 = kf32.filter(ys.astype(jnp.float32))
+
+    def ll(kf):
+        out = kf.filter(ys.astype(jnp.float32))
+        return out.log_likelihood, out
+
+    # forward and gradient in one program
+    (_, out32), g32 = eqx.filter_jit(eqx.filter_value_and_grad(ll, has_aux=True))(kf32)
     ll64 = kf64.log_likelihood(ys)
     assert np.all(np.isfinite(out32.means)) and np.all(np.isfinite(out32.covs))
     assert abs(float(out32.log_likelihood) / float(ll64) - 1) < 1e-3
-    g32 = eqx.filter_grad(lambda k: k.log_likelihood(ys.astype(jnp.float32)))(kf32)
     assert all(np.all(np.isfinite(x)) for x in jax.tree.leaves(g32))
 
 
-def test_backends_agree_float32_short():
+def test_backends_agree_float32():
     rng = np.random.default_rng(8)
     model = random_model(rng, 4, 2)
     kfs = {k: build(model, s, dtype=jnp.float32) for k, s in BACKENDS.items()}
-    _, ys = kfs["sequential"].sample(jr.key(1), 2000)
+    ys = simulate(rng, model, FAR_T).astype(np.float32)
     a, b = (kfs[k].smooth(ys) for k in BACKENDS)
     np.testing.assert_allclose(a.means, b.means, atol=1e-4)
     np.testing.assert_allclose(a.covs, b.covs, atol=1e-5)
@@ -336,7 +350,8 @@ def test_init_is_stable_and_stationary(getkey):
 
 def test_any_parameter_values_give_a_valid_model(getkey):
     """The unconstrained factors always give positive-definite covariances."""
-    kf = eqx_seq.KalmanFilter(3, 2, key=getkey())
+    # the shapes and backend of the "plain" case: its filter program is reused
+    kf = eqx_seq.KalmanFilter(3, 2, scan=eqx_seq.SequentialScan(), key=getkey())
     noisy = jax.tree.map(
         lambda x: x + 3.0 * jr.normal(getkey(), x.shape, x.dtype),
         kf,
@@ -344,7 +359,7 @@ def test_any_parameter_values_give_a_valid_model(getkey):
     )
     for M in (noisy.Q, noisy.R, noisy.P0):
         assert np.all(np.linalg.eigvalsh(np.asarray(M, np.float64)) > 0)
-    _, ys = kf.sample(getkey(), 30)
+    _, ys, _ = case("plain")
     assert np.isfinite(noisy.log_likelihood(ys))
 
 
