@@ -13,7 +13,9 @@ How it is computed (see `KalmanFilter` for the user-facing account):
   becomes a zero row of the whitened emission, which conditions on nothing, and is
   masked out of the log-likelihood; the masked `R_t` is then factored per step.
 - `SequentialScan`: the standard filter in a `lax.scan`. `AssociativeScan`: the
-  Särkkä & García-Fernández (IEEE TAC 2021) elements in a `lax.associative_scan`,
+  Särkkä & García-Fernández (IEEE TAC 2021) elements in an associative scan
+  (`_level_scan.level_scan`: its levels are a loop, so the heavy combine is traced
+  a fixed number of times and compile time stays flat in `T`),
   then the log-likelihood from the filtered states (never inside the scan element,
   which cancels catastrophically when the state drifts far from zero).
 - The RTS smoother's elements `(E_t, g_t, L_t)` depend on filtered moments only, so
@@ -398,7 +400,7 @@ def _smoother_elements(model: _Model, filtered: KalmanFilterResult):
 
 
 def _combine_smoother(later, earlier):
-    # `associative_scan(reverse=True)` passes the element later in time first
+    # a reverse associative scan passes the element later in time first
     E_l, g_l, L_l = later
     E_e, g_e, L_e = earlier
     return E_e @ E_l, E_e @ g_l + g_e, _sym(E_e @ L_l @ E_e.T + L_e)
@@ -515,14 +517,16 @@ class KalmanFilter(eqx.Module):
     (`SequentialScan` on CPU): with [`eqx_seq.SequentialScan`][] the standard
     filter and RTS smoother in a `jax.lax.scan`; with [`eqx_seq.AssociativeScan`][]
     the parallel filter and smoother of Särkkä & García-Fernández, "Temporal
-    Parallelization of Bayesian Smoothers", IEEE TAC 2021, in a
-    `jax.lax.associative_scan` (`O(log T)` depth, about 3-5x the work: for
-    accelerators). The backend object only *selects* the algorithm: the Kalman
-    recursions are not diagonal recurrences, so this layer runs `lax.scan` /
-    `lax.associative_scan` itself. Other `AbstractScan` subclasses select the
-    sequential filter. Both give the same numbers to float tolerance; the parallel
-    log-likelihood is computed from the filtered states after the scan, which
-    stays accurate when the state drifts far from zero.
+    Parallelization of Bayesian Smoothers", IEEE TAC 2021, in an associative scan
+    whose levels are a loop (`O(log T)` depth, about 3-5x the work: for
+    accelerators; unlike `jax.lax.associative_scan`, the combine is traced a
+    fixed number of times, so compiling takes seconds, not tens of seconds, at
+    `T = 10^4`). The backend object only *selects* the algorithm: the Kalman
+    recursions are not diagonal recurrences, so this layer runs its own scans.
+    Other `AbstractScan` subclasses select the sequential filter. Both give the
+    same numbers to float tolerance; the parallel log-likelihood is computed from
+    the filtered states after the scan, which stays accurate when the state
+    drifts far from zero.
 
     **Numerics.** Observations are whitened by the Cholesky factor of `R` and
     conditioned on one entry at a time (no matrix solve in the sequential loop);
