@@ -12,6 +12,11 @@ from ._jacobians import (
     recurrence_jacobians as recurrence_jacobians,
     RecurrenceJacobians as RecurrenceJacobians,
 )
+from ._kalman import (
+    KalmanFilter as KalmanFilter,
+    KalmanFilterResult as KalmanFilterResult,
+    KalmanSmootherResult as KalmanSmootherResult,
+)
 from ._language_model import LanguageModel as LanguageModel
 from ._lru import LRU as LRU
 from ._recurrence import linear_recurrence as linear_recurrence

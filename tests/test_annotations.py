@@ -116,3 +116,24 @@ def test_tridiagonal_implicit_annotations(input_dependent, T):
     lower, diag, upper = checked(type(layer).diagonals)(layer, x)
     assert lower.shape == diag.shape == upper.shape == (T, 3)
     assert checked(type(layer).couplings)(layer, x).shape == (T - 1, 3)
+
+
+@pytest.mark.parametrize("missing", [False, True])
+def test_kalman_annotations(missing):
+    import jax.random as jr
+
+    kf = eqx_seq.KalmanFilter(3, 2, control_size=1, key=jr.key(0))
+    ys = jnp.ones((5, 2))
+    ys = ys.at[1, 0].set(jnp.nan) if missing else ys
+    us = jnp.ones((5, 1))
+    assert checked(type(kf).__call__)(kf, ys, us=us).shape == (5, 3)
+    out = checked(type(kf).filter)(kf, ys, us=us)
+    assert out.covs.shape == (5, 3, 3) and out.log_likelihood.shape == ()
+    assert checked(type(kf).log_likelihood)(kf, ys, us=us).shape == ()
+    assert checked(type(kf).smooth)(kf, ys, us=us).cross_covs.shape == (4, 3, 3)
+    xs, obs = checked(type(kf).sample)(kf, jr.key(1), 5, us=us)
+    assert xs.shape == (5, 3) and obs.shape == (5, 2)
+    made = checked(eqx_seq.KalmanFilter.from_matrices)(
+        kf.F, kf.H, kf.Q, kf.R, kf.m0, kf.P0, B=kf.B, D=kf.D
+    )
+    assert made.control_size == 1

@@ -1,0 +1,209 @@
+"""Kalman filter: eqx_seq.KalmanFilter vs dynamax (jax issue 2491's Kalman setting).
+
+float32, one sequence, constant model; state 4 / obs 2 and state 16 / obs 8; T in
+{1k, 10k, 100k}. Per size and length, in one interleaved run (`_timing.measure_many`):
+
+- "seq filter": our sequential filter (means, covariances, log-likelihood), and
+  dynamax's `lgssm_filter` (the anchor of the "x dynamax" column);
+- "seq grad": `jax.grad` of the log-likelihood w.r.t. all parameters ("x fwd" is
+  divided by our own forward filter), and dynamax's;
+- "seq smoother": our RTS smoother and dynamax's `lgssm_smoother`;
+- "par filter": our parallel (Särkkä & García-Fernández) filter, compile time
+  reported; its scan is `eqx_seq._level_scan.level_scan` (levels as a loop).
+  "par (lax.assoc)" is the same filter with `lax.associative_scan` swapped in,
+  for comparison (the previous implementation). Parallel programs run in a
+  subprocess with a timeout: long `lax.associative_scan` programs have stalled on
+  this CPU (benchmarks/README.md).
+
+    python benchmarks/bench_kalman.py            # a few minutes
+    python benchmarks/bench_kalman.py --quick    # T=1k only, one size: a smoke test
+"""
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+import equinox as eqx
+import jax
+import jax.random as jr
+
+import eqx_seq
+
+
+sys.path.insert(0, os.path.dirname(__file__))
+from _timing import machine, measure_many, write_json  # noqa: E402
+
+
+try:
+    from dynamax.linear_gaussian_ssm.inference import (
+        lgssm_filter,
+        lgssm_smoother,
+        make_lgssm_params,
+    )
+except ImportError:  # optional anchor (the `benchmarks` extra)
+    lgssm_filter = None
+
+
+def model(n, p, backend):
+    return eqx_seq.KalmanFilter(n, p, scan=backend, key=jr.key(0))
+
+
+def dynamax_params(kf):
+    # our x_0 is the state before the first observation; dynamax observes its
+    # initial state, so its prior is our one-step prediction
+    F, Q, P0 = kf.F, kf.Q, kf.P0
+    return make_lgssm_params(F @ kf.m0, F @ P0 @ F.T + Q, F, Q, kf.H, kf.R)
+
+
+def programs(n, p, T):
+    kf = model(n, p, eqx_seq.SequentialScan())
+    _, ys = kf.sample(jr.key(1), T)
+    ll = lambda kf, ys: kf.log_likelihood(ys)
+    progs = {
+        "ours: seq filter": (eqx.filter_jit(lambda kf, ys: kf.filter(ys)), (kf, ys)),
+        "ours: seq grad": (eqx.filter_jit(eqx.filter_grad(ll)), (kf, ys)),
+        "ours: seq smoother": (
+            eqx.filter_jit(lambda kf, ys: kf.smooth(ys).means),
+            (kf, ys),
+        ),
+    }
+    check = {"ours": float(ll(kf, ys))}
+    if lgssm_filter is not None:
+        params = dynamax_params(kf)
+        dll = lambda params, ys: lgssm_filter(params, ys).marginal_loglik
+        progs["dynamax: seq filter"] = (jax.jit(lgssm_filter), (params, ys))
+        progs["dynamax: seq grad"] = (jax.jit(jax.grad(dll)), (params, ys))
+        progs["dynamax: seq smoother"] = (
+            jax.jit(lambda params, ys: lgssm_smoother(params, ys).smoothed_means),
+            (params, ys),
+        )
+        check["dynamax"] = float(dll(params, ys))
+    return progs, check
+
+
+def parallel_child(n, p, T, repeats, use_lax):
+    """Run in a subprocess: compile and time our parallel filter."""
+    if use_lax:
+        from eqx_seq import _kalman
+
+        _kalman.level_scan = lambda fn, elems, reverse=False: jax.lax.associative_scan(
+            fn, elems, reverse=reverse
+        )
+    kf = model(n, p, eqx_seq.AssociativeScan())
+    _, ys = kf.sample(jr.key(1), T)
+    f = eqx.filter_jit(lambda kf, ys: kf.filter(ys))
+    start = time.perf_counter()
+    compiled = f.lower(kf, ys).compile()
+    compile_s = time.perf_counter() - start
+    jax.block_until_ready(compiled(kf, ys))
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        out = jax.block_until_ready(compiled(kf, ys))
+        times.append(time.perf_counter() - start)
+    times.sort()
+    seq = model(n, p, eqx_seq.SequentialScan()).log_likelihood(ys)
+    print(
+        json.dumps(
+            {
+                "compile_s": compile_s,
+                "median_ms": 1e3 * times[len(times) // 2],
+                "loglik_rel_diff_vs_seq": abs(
+                    float(out.log_likelihood) / float(seq) - 1
+                ),
+            }
+        )
+    )
+
+
+def parallel(n, p, T, repeats, timeout, use_lax):
+    cmd = [sys.executable, __file__, "--child", f"{n},{p},{T},{repeats},{use_lax:d}"]
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {"status": f"timed out after {timeout} s (stalled or slow)"}
+    if out.returncode != 0:
+        return {"status": "failed: " + out.stderr.strip().splitlines()[-1]}
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main():
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--quick", action="store_true", help="T=1k, state 4 only")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--parallel-timeout", type=float, default=120)
+    parser.add_argument(
+        "--json",
+        default=os.path.join(os.path.dirname(__file__), "results", "kalman.json"),
+    )
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        parallel_child(*map(int, args.child.split(",")))
+        return
+    info = machine()
+    print(
+        f"machine: {info['cpu']} ({info['cores']} cores), {info['platform']}, "
+        f"jax {info['jax']}, float32"
+    )
+    if lgssm_filter is None:
+        print("dynamax not installed: its rows are skipped (pip install dynamax)")
+    sizes = [(4, 2)] if args.quick else [(4, 2), (16, 8)]
+    lengths = [1000] if args.quick else [1000, 10_000, 100_000]
+    payload = {"machine": info, "dtype": "float32", "runs": {}}
+    header = (
+        f"{'n/p':>5s} {'T':>7s} {'method':24s} {'ms':>9s} {'x fwd':>6s} "
+        f"{'x dynamax':>9s} {'compile s':>9s}"
+    )
+    print("\n" + header)
+    for n, p in sizes:
+        for T in lengths:
+            progs, check = programs(n, p, T)
+            repeats = max(1, args.repeats // (3 if T >= 100_000 else 1))
+            res = measure_many(progs, repeats=repeats)
+            fwd = res["ours: seq filter"]["median_ms"]
+            for name, r in res.items():
+                who, what = name.split(": ")
+                anchor = res.get(f"dynamax: {what}", {}).get("median_ms")
+                xd = (
+                    f"{anchor / r['median_ms']:8.2f}x"
+                    if anchor and who == "ours"
+                    else ""
+                )
+                print(
+                    f"{n:>2d}/{p:<2d} {T:>7d} {name:24s} {r['median_ms']:9.2f} "
+                    f"{r['median_ms'] / fwd:6.2f} {xd:>9s} {r['first_call_s']:9.2f}"
+                )
+            pars = {}
+            for label, use_lax in (("par filter", 0), ("par (lax.assoc)", 1)):
+                par = {"status": "skipped: only T <= 10k"}
+                if T <= 10_000:
+                    par = parallel(
+                        n, p, T, max(1, repeats // 2), args.parallel_timeout, use_lax
+                    )
+                pars[label] = par
+                if "median_ms" in par:
+                    print(
+                        f"{n:>2d}/{p:<2d} {T:>7d} {'ours: ' + label:24s} "
+                        f"{par['median_ms']:9.2f} {par['median_ms'] / fwd:6.2f} "
+                        f"{'':>9s} {par['compile_s']:9.2f}   "
+                        f"(loglik vs seq: {par['loglik_rel_diff_vs_seq']:.1e} rel)"
+                    )
+                else:
+                    print(
+                        f"{n:>2d}/{p:<2d} {T:>7d} {'ours: ' + label:24s} "
+                        f"{par['status']}"
+                    )
+            ll = ", ".join(f"{k} {v:.6g}" for k, v in check.items())
+            print(f"{'':14s} log-likelihoods: {ll}")
+            payload["runs"][f"{n}/{p}/{T}"] = {"seq": res, "par": pars, "loglik": check}
+    write_json(args.json, payload)
+
+
+if __name__ == "__main__":
+    main()

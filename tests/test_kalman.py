@@ -1,0 +1,461 @@
+"""eqx_seq.KalmanFilter against a textbook float64 NumPy filter and RTS smoother."""
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import jax.random as jr
+import numpy as np
+import pytest
+
+import eqx_seq
+
+
+BACKENDS = {
+    "sequential": eqx_seq.SequentialScan(),
+    "associative": eqx_seq.AssociativeScan(),
+}
+
+
+# --- the reference: a textbook Kalman filter and RTS smoother in NumPy, float64 ---
+def _at(x, t):
+    return x[t] if x.ndim == 3 else x
+
+
+def np_filter(F, H, Q, R, m0, P0, ys, B=None, D=None, us=None):
+    """Predict, then condition on the observed entries of y_t (missing ones dropped)."""
+    T, p = ys.shape
+    m, P = m0, P0
+    out = {k: [] for k in ("m", "P", "mp", "Pp", "ll")}
+    for t in range(T):
+        Ft = _at(F, t)
+        mp = Ft @ m + (B @ us[t] if B is not None else 0)
+        Pp = Ft @ P @ Ft.T + _at(Q, t)
+        o = ~np.isnan(ys[t])
+        if o.any():
+            Ho = _at(H, t)[o]
+            yo = ys[t][o] - (D @ us[t] if D is not None else np.zeros(p))[o]
+            S = Ho @ Pp @ Ho.T + _at(R, t)[np.ix_(o, o)]
+            K = np.linalg.solve(S, Ho @ Pp).T
+            v = yo - Ho @ mp
+            m, P = mp + K @ v, Pp - K @ S @ K.T
+            _, logdet = np.linalg.slogdet(S)
+            ll = -0.5 * (
+                o.sum() * np.log(2 * np.pi) + logdet + v @ np.linalg.solve(S, v)
+            )
+        else:
+            m, P, ll = mp, Pp, 0.0
+        for k, v in zip(("m", "P", "mp", "Pp", "ll"), (m, P, mp, Pp, ll)):
+            out[k].append(v)
+    return {k: np.array(v) for k, v in out.items()}
+
+
+def np_smoother(F, f):
+    """Rauch-Tung-Striebel from the filter's output."""
+    T = len(f["m"])
+    ms, Ps, cross = [f["m"][-1]], [f["P"][-1]], []
+    for t in range(T - 2, -1, -1):
+        Fn = _at(F, t + 1)
+        G = f["P"][t] @ Fn.T @ np.linalg.inv(f["Pp"][t + 1])
+        cross.append(G @ Ps[0])
+        ms.insert(0, f["m"][t] + G @ (ms[0] - f["mp"][t + 1]))
+        Ps.insert(0, f["P"][t] + G @ (Ps[0] - f["Pp"][t + 1]) @ G.T)
+    return np.array(ms), np.array(Ps), np.array(cross[::-1])
+
+
+# --- models ---
+def random_spd(rng, n, scale=1.0):
+    A = rng.normal(size=(n, n))
+    return scale * (A @ A.T / n + 0.3 * np.eye(n))
+
+
+def random_model(rng, n, p, *, T=None, c=0):
+    """A random stable model; time-varying F, H, Q, R when T is given."""
+
+    def stack(f):
+        return f() if T is None else np.stack([f() for _ in range(T)])
+
+    def transition():
+        U, _ = np.linalg.qr(rng.normal(size=(n, n)))
+        return 0.95 * U
+
+    model = dict(
+        F=stack(transition),
+        H=stack(lambda: rng.normal(size=(p, n))),
+        Q=stack(lambda: random_spd(rng, n, 0.3)),
+        R=stack(lambda: random_spd(rng, p, 0.5)),
+        m0=rng.normal(size=n),
+        P0=random_spd(rng, n),
+    )
+    if c:
+        model["B"] = rng.normal(size=(n, c))
+        model["D"] = rng.normal(size=(p, c))
+    return model
+
+
+def simulate(rng, model, T, us=None):
+    """Observations from the model, in NumPy."""
+    x = rng.multivariate_normal(model["m0"], model["P0"])
+    ys = []
+    for t in range(T):
+        x = _at(model["F"], t) @ x + rng.multivariate_normal(
+            np.zeros(len(x)), _at(model["Q"], t)
+        )
+        y = _at(model["H"], t) @ x + rng.multivariate_normal(
+            np.zeros(_at(model["R"], t).shape[0]), _at(model["R"], t)
+        )
+        if us is not None:
+            x = x + model["B"] @ us[t]
+            y = y + model["D"] @ us[t] + _at(model["H"], t) @ model["B"] @ us[t]
+        ys.append(y)
+    return np.array(ys)
+
+
+def reference(model, ys, us=None):
+    f = np_filter(
+        model["F"], model["H"], model["Q"], model["R"], model["m0"], model["P0"], ys,
+        model.get("B"), model.get("D"), us,
+    )  # fmt: skip
+    sm, sP, cross = np_smoother(model["F"], f)
+    return f, sm, sP, cross
+
+
+def build(model, scan, dtype=None):
+    return eqx_seq.KalmanFilter.from_matrices(
+        model["F"], model["H"], model["Q"], model["R"], model["m0"], model["P0"],
+        B=model.get("B"), D=model.get("D"), scan=scan, dtype=dtype,
+    )  # fmt: skip
+
+
+CASES = ["plain", "time_varying", "controls", "missing", "all"]
+
+
+def case(name, seed=0):
+    rng = np.random.default_rng(seed)
+    n, p, T = 3, 2, 37
+    tv = name in ("time_varying", "all")
+    c = 2 if name in ("controls", "all") else 0
+    model = random_model(rng, n, p, T=T if tv else None, c=c)
+    us = rng.normal(size=(T, c)) if c else None
+    ys = simulate(rng, model, T, us)
+    if name in ("missing", "all"):
+        ys[3] = np.nan  # a whole step
+        ys[[5, 11, 20], 1] = np.nan  # single entries
+        ys[[8, 30], 0] = np.nan
+        ys[-1] = np.nan  # the last step too
+    return model, ys, us
+
+
+# Fast cases: "all" (time-varying + controls + missing) covers each feature on both
+# backends; "plain" and "missing" share one program. The single-feature cases add
+# no property that "all" does not check, so they run with `-m slow` only.
+PAIRS = [
+    ("sequential", "plain"),
+    ("sequential", "missing"),
+    ("sequential", "all"),
+    ("associative", "plain"),
+    ("associative", "all"),
+] + [
+    pytest.param(b, c, marks=pytest.mark.slow)
+    for b, c in [
+        ("sequential", "time_varying"),
+        ("sequential", "controls"),
+        ("associative", "missing"),
+        ("associative", "time_varying"),
+        ("associative", "controls"),
+    ]
+]
+
+
+@pytest.mark.parametrize("backend,name", PAIRS)
+def test_filter_and_smoother_match_reference(backend, name):
+    model, ys, us = case(name)
+    f, sm, sP, cross = reference(model, ys, us)
+    kf = build(model, BACKENDS[backend])
+    sm_out = kf.smooth(ys, us=us)
+    out = sm_out.filtered
+    tol = dict(rtol=1e-7, atol=1e-9)
+    np.testing.assert_allclose(out.means, f["m"], **tol)
+    np.testing.assert_allclose(out.covs, f["P"], **tol)
+    np.testing.assert_allclose(out.predicted_means, f["mp"], **tol)
+    np.testing.assert_allclose(out.predicted_covs, f["Pp"], **tol)
+    np.testing.assert_allclose(out.log_likelihoods, f["ll"], **tol)
+    np.testing.assert_allclose(out.log_likelihood, f["ll"].sum(), **tol)
+    if (backend, name) == ("sequential", "plain"):  # the thin wrappers, once
+        np.testing.assert_allclose(kf.log_likelihood(ys, us=us), f["ll"].sum(), **tol)
+        np.testing.assert_allclose(kf(ys, us=us), f["m"], **tol)
+        np.testing.assert_allclose(kf.filter(ys, us=us).covs, f["P"], **tol)
+    np.testing.assert_allclose(sm_out.means, sm, **tol)
+    np.testing.assert_allclose(sm_out.covs, sP, **tol)
+    np.testing.assert_allclose(sm_out.cross_covs, cross, **tol)
+    np.testing.assert_allclose(sm_out.filtered.log_likelihood, f["ll"].sum(), **tol)
+    assert np.all(out.covs == np.swapaxes(out.covs, -1, -2))
+
+
+def constant_velocity(T, dtype):
+    """The 2-D constant-velocity tracker of dynamax issue 423: the state drifts away."""
+    dt = 0.1
+    F = np.eye(4) + dt * np.eye(4, k=2)
+    Q = np.kron(np.array([[dt**3 / 3, dt**2 / 2], [dt**2 / 2, dt]]), np.eye(2))
+    H = np.eye(2, 4)
+    model = dict(F=F, H=H, Q=Q, R=0.25 * np.eye(2), m0=np.zeros(4), P0=np.eye(4))
+    rng = np.random.default_rng(1)
+    x = np.zeros(4)
+    x[2:] = [30.0, -20.0]  # a fast start: |x| reaches ~3e3 at T=1000
+    xs, ys = [], []
+    for _ in range(T):
+        x = F @ x + rng.multivariate_normal(np.zeros(4), Q)
+        ys.append(H @ x + 0.5 * rng.normal(size=2))
+        xs.append(x)
+    return model, np.array(ys)
+
+
+FAR_T = 1000  # the f32 programs are shared with test_backends_agree_float32
+
+
+@pytest.mark.parametrize("backend", list(BACKENDS))
+def test_log_likelihood_far_from_zero(backend):
+    """Parallel filters that accumulate the likelihood in the scan get this wrong."""
+    model, ys = constant_velocity(FAR_T, np.float64)
+    assert np.abs(ys).max() > 1e3
+    f = np_filter(
+        model["F"], model["H"], model["Q"], model["R"], model["m0"], model["P0"], ys
+    )
+    ref = f["ll"].sum()
+    kf64 = build(model, BACKENDS[backend])
+    np.testing.assert_allclose(kf64.smooth(ys).filtered.log_likelihood, ref, rtol=1e-9)
+    kf32 = build(model, BACKENDS[backend], dtype=jnp.float32)
+    ll32 = kf32.smooth(ys.astype(np.float32)).filtered.log_likelihood
+    # float32 rounding of states ~3e3 alone moves it by ~0.01-0.1 nats, depending
+    # on the order of the combines; the in-scan likelihood was 24-39 nats off
+    assert abs(float(ll32) / ref - 1) < 1e-4, (float(ll32), ref)
+
+
+def _directional_fd(fn, tree, direction, eps=1e-6):
+    plus = jax.tree.map(lambda x, d: x + eps * d, tree, direction)
+    minus = jax.tree.map(lambda x, d: x - eps * d, tree, direction)
+    return (fn(plus) - fn(minus)) / (2 * eps)
+
+
+@pytest.mark.parametrize(
+    "backend,name",
+    [
+        ("sequential", "all"),
+        ("associative", "all"),
+        pytest.param("sequential", "missing", marks=pytest.mark.slow),
+    ],
+)
+def test_gradient_matches_finite_differences(backend, name):
+    """Log-likelihood plus a weighted sum of the filtered means (the layer output)."""
+    model, ys, us = case(name, seed=3)
+    kf = build(model, BACKENDS[backend])
+    params, static = eqx.partition(kf, eqx.is_inexact_array)
+    ys_j = jnp.asarray(ys)
+    obs = ~np.isnan(ys)
+    w = np.random.default_rng(1).normal(size=(ys.shape[0], 3)) / ys.shape[0]
+
+    def loss(params, ys):
+        out = eqx.combine(params, static).filter(ys, us=us)
+        return out.log_likelihood + jnp.sum(w * out.means)
+
+    grad_p, grad_y = jax.jit(jax.grad(loss, argnums=(0, 1)))(params, ys_j)
+    assert np.all(np.asarray(grad_y)[~obs] == 0)
+    rng = np.random.default_rng(0)
+    for _ in range(3):
+        direction = jax.tree.map(
+            lambda x: jnp.asarray(rng.normal(size=x.shape)), params
+        )
+        fd = _directional_fd(lambda q: loss(q, ys_j), params, direction)
+        ad = sum(
+            jnp.vdot(g, d)
+            for g, d in zip(jax.tree.leaves(grad_p), jax.tree.leaves(direction))
+        )
+        np.testing.assert_allclose(ad, fd, rtol=1e-6)
+    # every parameter matters, and gets its own check
+    for leaf, g in zip(jax.tree.leaves(params), jax.tree.leaves(grad_p)):
+        assert g.shape == leaf.shape and np.all(np.isfinite(g))
+    y_dir = np.where(obs, rng.normal(size=ys.shape), 0)
+    fd_y = _directional_fd(lambda y: loss(params, y), ys_j, jnp.asarray(y_dir))
+    np.testing.assert_allclose(jnp.vdot(grad_y, y_dir), fd_y, rtol=1e-6)
+
+
+def test_float32_long_run_agrees_with_float64():
+    """T=100k in float32: finite, log-likelihood within 1e-3 relative of float64."""
+    rng = np.random.default_rng(7)
+    model = random_model(rng, 4, 2)
+    kf64 = build(model, eqx_seq.SequentialScan())
+    _, ys = kf64.sample(jr.key(0), 100_000)
+    kf32 = build(model, eqx_seq.SequentialScan(), dtype=jnp.float32)
+
+    def ll(kf):
+        out = kf.filter(ys.astype(jnp.float32))
+        return out.log_likelihood, out
+
+    # forward and gradient in one program
+    (_, out32), g32 = eqx.filter_jit(eqx.filter_value_and_grad(ll, has_aux=True))(kf32)
+    ll64 = kf64.log_likelihood(ys)
+    assert np.all(np.isfinite(out32.means)) and np.all(np.isfinite(out32.covs))
+    assert abs(float(out32.log_likelihood) / float(ll64) - 1) < 1e-3
+    assert all(np.all(np.isfinite(x)) for x in jax.tree.leaves(g32))
+
+
+def test_backends_agree_float32():
+    rng = np.random.default_rng(8)
+    model = random_model(rng, 4, 2)
+    kfs = {k: build(model, s, dtype=jnp.float32) for k, s in BACKENDS.items()}
+    ys = simulate(rng, model, FAR_T).astype(np.float32)
+    a, b = (kfs[k].smooth(ys) for k in BACKENDS)
+    np.testing.assert_allclose(a.means, b.means, atol=1e-4)
+    np.testing.assert_allclose(a.covs, b.covs, atol=1e-5)
+    np.testing.assert_allclose(
+        a.filtered.log_likelihood, b.filtered.log_likelihood, rtol=1e-5
+    )
+
+
+def test_sample_follows_the_model():
+    """With (almost) no noise the sample is the deterministic recursion."""
+    rng = np.random.default_rng(2)
+    model = random_model(rng, 3, 2, c=1)
+    tiny = 1e-24
+    model.update(Q=tiny * np.eye(3), R=tiny * np.eye(2), P0=tiny * np.eye(3))
+    us = rng.normal(size=(10, 1))
+    kf = build(model, eqx_seq.SequentialScan())
+    xs, ys = kf.sample(jr.key(0), 10, us=us)
+    x = model["m0"]
+    for t in range(10):
+        x = model["F"] @ x + model["B"] @ us[t]
+        np.testing.assert_allclose(xs[t], x, atol=1e-9)
+        np.testing.assert_allclose(
+            ys[t], model["H"] @ x + model["D"] @ us[t], atol=1e-9
+        )
+
+
+def test_sample_noise_statistics():
+    """The sampled observations have the model's stationary covariance."""
+    kf = eqx_seq.KalmanFilter(2, 2, key=jr.key(3))  # stationary: Cov x = I
+    xs, ys = jax.vmap(lambda k: kf.sample(k, 3))(jr.split(jr.key(4), 20_000))
+    cov_x = np.cov(np.asarray(xs[:, -1]).T)
+    cov_y = np.cov(np.asarray(ys[:, -1]).T)
+    np.testing.assert_allclose(cov_x, np.eye(2), atol=0.05)
+    np.testing.assert_allclose(cov_y, kf.H @ kf.H.T + kf.R, atol=0.06)
+
+
+def test_init_is_stable_and_stationary(getkey):
+    kf = eqx_seq.KalmanFilter(5, 3, control_size=2, key=getkey())
+    assert np.allclose(np.abs(np.linalg.eigvals(kf.F)), 0.9)
+    np.testing.assert_allclose(kf.F @ kf.P0 @ kf.F.T + kf.Q, kf.P0, atol=1e-6)
+    assert kf.B.shape == (5, 2) and kf.D.shape == (3, 2)
+    ys = jnp.ones((4, 3))
+    assert kf(ys, us=jnp.ones((4, 2))).shape == (4, 5)
+
+
+def test_any_parameter_values_give_a_valid_model(getkey):
+    """The unconstrained factors always give positive-definite covariances."""
+    # the shapes and backend of the "plain" case: its filter program is reused
+    kf = eqx_seq.KalmanFilter(3, 2, scan=eqx_seq.SequentialScan(), key=getkey())
+    noisy = jax.tree.map(
+        lambda x: x + 3.0 * jr.normal(getkey(), x.shape, x.dtype),
+        kf,
+        is_leaf=eqx.is_inexact_array,
+    )
+    for M in (noisy.Q, noisy.R, noisy.P0):
+        assert np.all(np.linalg.eigvalsh(np.asarray(M, np.float64)) > 0)
+    _, ys, _ = case("plain")
+    assert np.isfinite(noisy.log_likelihood(ys))
+
+
+def test_from_matrices_round_trip():
+    model = random_model(np.random.default_rng(5), 3, 2, c=1)
+    kf = build(model, eqx_seq.AutoScan())
+    for k in ("Q", "R", "P0"):
+        np.testing.assert_allclose(getattr(kf, k), model[k], rtol=1e-12)
+    assert kf.B.shape == (3, 1) and kf.control_size == 1
+    # D defaults to zero when only B is given
+    only_b = eqx_seq.KalmanFilter.from_matrices(
+        model["F"], model["H"], model["Q"], model["R"], model["m0"], model["P0"],
+        B=model["B"],
+    )  # fmt: skip
+    assert np.all(only_b.D == 0)
+
+
+def test_jit_and_vmap_over_a_batch():
+    model, ys, _ = case("missing")
+    kf = build(model, eqx_seq.SequentialScan())
+    batch = np.stack([ys, ys[::-1], np.nan_to_num(ys)])
+    lls = eqx.filter_jit(jax.vmap(lambda y: kf.log_likelihood(y)))(batch)
+    for b, ll in zip(batch, lls):
+        np.testing.assert_allclose(ll, kf.log_likelihood(b), rtol=1e-12)
+
+
+def test_bad_input(getkey):
+    kf = eqx_seq.KalmanFilter(3, 2, key=getkey())
+    with pytest.raises(ValueError, match="obs_size"):
+        kf(jnp.ones((5, 3)))
+    with pytest.raises(ValueError, match=r"\(T, obs_size\)"):
+        kf.filter(jnp.ones((2, 5, 2)))
+    with pytest.raises(ValueError, match="floating"):
+        kf.smooth(jnp.ones((5, 2), jnp.int32))
+    with pytest.raises(ValueError, match="control_size=0"):
+        kf(jnp.ones((5, 2)), us=jnp.ones((5, 1)))
+    with_u = eqx_seq.KalmanFilter(3, 2, control_size=1, key=getkey())
+    with pytest.raises(ValueError, match="pass `us`"):
+        with_u(jnp.ones((5, 2)))
+    with pytest.raises(ValueError, match="control_size"):
+        with_u(jnp.ones((5, 2)), us=jnp.ones((4, 1)))
+    with pytest.raises(ValueError, match="scan"):
+        eqx_seq.KalmanFilter(3, 2, scan="sequential", key=getkey())
+    with pytest.raises(ValueError, match="state_size"):
+        eqx_seq.KalmanFilter(0, 2, key=getkey())
+    I2, I3 = np.eye(2), np.eye(3)
+    m = np.zeros(3)
+    with pytest.raises(ValueError, match="square"):
+        eqx_seq.KalmanFilter.from_matrices(
+            np.ones((3, 2)), np.ones((2, 3)), I3, I2, m, I3
+        )
+    with pytest.raises(ValueError, match="`H`"):
+        eqx_seq.KalmanFilter.from_matrices(I3, np.ones((2, 4)), I3, I2, m, I3)
+    with pytest.raises(ValueError, match="`R`"):
+        eqx_seq.KalmanFilter.from_matrices(I3, np.ones((2, 3)), I3, I3, m, I3)
+    with pytest.raises(ValueError, match="one length"):
+        eqx_seq.KalmanFilter.from_matrices(
+            np.stack([I3] * 4), np.ones((5, 2, 3)), I3, I2, m, I3
+        )
+    with pytest.raises(ValueError, match="columns"):
+        eqx_seq.KalmanFilter.from_matrices(
+            I3, np.ones((2, 3)), I3, I2, m, I3, B=np.ones((3, 1)), D=np.ones((2, 2))
+        )
+    tv = eqx_seq.KalmanFilter.from_matrices(
+        np.stack([I3] * 4), np.ones((2, 3)), I3, I2, m, I3
+    )
+    with pytest.raises(ValueError, match="time-varying with 4 steps"):
+        tv(jnp.ones((5, 2)))
+    not_pd = np.diag([1.0, -1.0, 1.0])
+    with pytest.raises(RuntimeError, match="`Q` must be symmetric positive definite"):
+        eqx_seq.KalmanFilter.from_matrices(I3, np.ones((2, 3)), not_pd, I2, m, I3)
+    asym = I2 + np.array([[0.0, 0.5], [0.0, 0.0]])
+    with pytest.raises(RuntimeError, match="`R` must be symmetric positive definite"):
+        eqx_seq.KalmanFilter.from_matrices(I3, np.ones((2, 3)), I3, asym, m, I3)
+    with pytest.raises(RuntimeError, match="`P0`"):
+        jax.jit(
+            lambda P0: (
+                eqx_seq.KalmanFilter.from_matrices(
+                    I3, np.ones((2, 3)), I3, I2, m, P0
+                ).P0
+            )
+        )(-np.eye(3))
+
+
+@pytest.mark.slow
+def test_bench_kalman_quick(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = subprocess.run(
+        [sys.executable, "benchmarks/bench_kalman.py", "--quick", "--repeats", "1",
+         "--json", str(tmp_path / "k.json")],
+        cwd=root, capture_output=True, text=True, timeout=900,
+        env={**os.environ, "JAX_PLATFORMS": "cpu"},
+    )  # fmt: skip
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "seq filter" in out.stdout and (tmp_path / "k.json").exists()
