@@ -3,6 +3,7 @@
 import importlib.metadata
 
 from ._classifier import SequenceClassifier as SequenceClassifier
+from ._denoising_classifier import DenoisingClassifier as DenoisingClassifier
 from ._diagonal_ssm import (
     AbstractDiagonalSSM as AbstractDiagonalSSM,
     SSMJacobians as SSMJacobians,

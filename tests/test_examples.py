@@ -154,3 +154,12 @@ def test_tridiagonal_smoother_example(tmp_path):
     )
     assert "learned kappa" in out and "smoothed error / noisy error" in out
     assert (tmp_path / "layer.eqx").exists() and (tmp_path / "smoothing.png").exists()
+
+
+def test_kalman_nile_example(tmp_path):
+    out = run("examples/kalman_nile.py", "--steps", "300", "--out", str(tmp_path))
+    # the classic maximum-likelihood values (Durbin & Koopman 2012, ch. 2)
+    eps = float(out.split("sigma2_eps = ")[1].split()[0])
+    eta = float(out.split("sigma2_eta = ")[1].split()[0])
+    assert abs(eps - 15099) / 15099 < 0.01 and abs(eta - 1469.1) / 1469.1 < 0.01
+    assert (tmp_path / "nile.png").exists()

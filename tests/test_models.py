@@ -166,3 +166,29 @@ def test_bad_input(getkey):
         language.generate(jnp.zeros((0,), jnp.int32), 3, key=getkey())
     with pytest.raises(ValueError, match="temperature"):
         language.generate(jnp.array([1]), 3, key=getkey(), temperature=-1.0)
+
+
+def test_denoising_classifier_composes_the_layers(getkey):
+    model = eqx_seq.DenoisingClassifier(
+        2, 3, kalman_state_size=3, width=8, depth=1, state_size=8, key=getkey()
+    )
+    x = jr.normal(getkey(), (20, 2), jnp.float32).at[5:8].set(jnp.nan)  # a gap
+    features = model.features(x)
+    assert features.shape == (20, 3) and bool(jnp.all(jnp.isfinite(features)))
+    np.testing.assert_allclose(features, model.smoother(model.kalman(x)), rtol=1e-6)
+    logits = eqx.filter_jit(lambda m, x: m(x))(model, x)
+    np.testing.assert_allclose(logits, model.classifier(features), rtol=1e-5, atol=1e-6)
+    # trained end to end: every stage gets a finite, non-zero gradient
+    grads = eqx.filter_jit(eqx.filter_grad(lambda m, x: jnp.sum(m(x) ** 2)))(model, x)
+    for stage in (grads.kalman, grads.smoother, grads.classifier):
+        leaves = jax.tree.leaves(eqx.filter(stage, eqx.is_inexact_array))
+        assert all(bool(jnp.all(jnp.isfinite(g))) for g in leaves)
+        assert any(bool(jnp.any(g != 0)) for g in leaves)
+    # one backend for every stage
+    seq = eqx_seq.DenoisingClassifier(
+        2, 3, width=8, depth=1, scan=eqx_seq.SequentialScan(), key=getkey()
+    )
+    assert seq.kalman.scan == seq.smoother.scan == eqx_seq.SequentialScan()
+    assert every_layer_scan(seq) == [eqx_seq.SequentialScan()]
+    with pytest.raises(ValueError):
+        model(jnp.ones((20, 3)))  # wrong number of features
