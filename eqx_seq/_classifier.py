@@ -193,6 +193,7 @@ class SequenceClassifier(eqx.Module):
                 f"(T, {self.encoder.in_features}), got shape {x.shape}; use "
                 "`jax.vmap` for a batch."
             )
+        x = x.astype(self.encoder.weight.dtype)  # computed in the parameters' dtype
         z = run_blocks(self.blocks, jax.vmap(self.encoder)(x), key)
         if mask is None:
             pooled = z[-1] if self.pooling == "last" else jnp.mean(z, axis=0)

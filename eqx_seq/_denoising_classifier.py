@@ -113,7 +113,9 @@ class DenoisingClassifier(eqx.Module):
 
         - `x`: one sequence `(T, in_features)`; NaN entries are missing values.
         - `mask`: optional `(T,)` valid-step mask for the pooling, as for
-            [`eqx_seq.SequenceClassifier`][].
+            [`eqx_seq.SequenceClassifier`][]. The smoother is non-causal, so pad
+            sequences with NaN (missing, skipped by the Kalman filter) rather than
+            with values.
         - `key`: for dropout.
 
         **Returns:**

@@ -137,3 +137,23 @@ def test_kalman_annotations(missing):
         kf.F, kf.H, kf.Q, kf.R, kf.m0, kf.P0, B=kf.B, D=kf.D
     )
     assert made.control_size == 1
+
+
+def test_model_annotations():
+    import jax.random as jr
+
+    x = jnp.ones((6, 2), jnp.float32)
+    clf = eqx_seq.SequenceClassifier(
+        2, 3, width=4, depth=1, state_size=4, key=jr.key(0)
+    )
+    assert checked(type(clf).__call__)(clf, x, mask=jnp.ones(6, bool)).shape == (3,)
+    den = eqx_seq.DenoisingClassifier(2, 3, width=4, depth=1, key=jr.key(0))
+    assert checked(type(den).__call__)(den, x).shape == (3,)
+    assert checked(type(den).features)(den, x).shape == (6, 4)
+    lm = eqx_seq.LanguageModel(7, width=4, depth=1, state_size=4, key=jr.key(0))
+    ids = jnp.arange(5)
+    assert checked(type(lm).__call__)(lm, ids).shape == (5, 7)
+    state, logits = checked(type(lm).step)(lm, lm.init_state(), ids[0])
+    assert logits.shape == (7,)
+    out = checked(type(lm).generate)(lm, ids, 3, key=jr.key(1))
+    assert out.shape == (3,)
