@@ -52,31 +52,6 @@ def lax_gtsv(a, b, c, d):
     return lax.linalg.tridiagonal_solve(a, b, c, d[..., None])[..., 0]
 
 
-def seed_tdma(a, b, c, d):
-    """jax issue 2491's TDMA: lax.scan over transposed (batch, n) data. The carry
-    init is corrected from (n, batch) to (batch,)."""
-    a, b, c, d = a.T, b.T, c.T, d.T
-
-    def forward(carry, x):
-        cp_prev, dp_prev = carry
-        a_i, b_i, c_i, d_i = x
-        denom = b_i - a_i * cp_prev
-        cp = c_i / denom
-        dp = (d_i - a_i * dp_prev) / denom
-        return (cp, dp), (cp, dp)
-
-    init = jnp.zeros(a.shape[1:], a.dtype)
-    _, (cp, dp) = lax.scan(forward, (init, init), (a, b, c, d))
-
-    def backward(x_next, x):
-        cp_i, dp_i = x
-        x_i = dp_i - cp_i * x_next
-        return x_i, x_i
-
-    _, x = lax.scan(backward, init, (cp, dp), reverse=True)
-    return x.T
-
-
 def scan_time_major(a, b, c, d):
     """The seed's scan on (n, batch) data: no transposes, no blocking."""
 
@@ -97,6 +72,13 @@ def scan_time_major(a, b, c, d):
         return x_i, x_i
 
     return lax.scan(backward, init, (cp, dp), reverse=True)[1]
+
+
+def seed_tdma(a, b, c, d):
+    """jax issue 2491's TDMA: lax.scan over transposed (batch, n) data. The carry
+    init is corrected from (n, batch) to (batch,): the scan above, with the
+    seed's transposes in and out."""
+    return scan_time_major(a.T, b.T, c.T, d.T).T
 
 
 def numpy_tdma(a, b, c, d):
