@@ -79,7 +79,24 @@ S5_OPTIONS = [
 ]
 
 
-@pytest.mark.parametrize("options,scan", list(it.product(S5_OPTIONS, SCANS)), ids=str)
+# Every option with the sequential backend; the associative backend on the default
+# and bidirectional layers (the other options change only the coefficients, which
+# the backend never sees; `test_backends_agree_values_and_gradients` compares both).
+# The rest run with `-m slow`.
+LOOP_CASES = [
+    pytest.param(
+        options,
+        scan,
+        marks=[]
+        if isinstance(scan, eqx_seq.SequentialScan)
+        or options in ({}, {"bidirectional": True})
+        else [pytest.mark.slow],
+    )
+    for options, scan in it.product(S5_OPTIONS, SCANS)
+]
+
+
+@pytest.mark.parametrize("options,scan", LOOP_CASES, ids=str)
 def test_s5_matches_numpy_loop(options, scan, getkey):
     layer = make("s5", getkey(), scan, **options)
     if layer.clip_eigs:  # make the clip bite
@@ -476,7 +493,8 @@ def test_ssm_param_labels_drive_multi_transform(getkey):
 
     with jax.numpy_dtype_promotion("standard"):  # optax is not strict-clean
         state = optim.init(params)
-        updates, _ = optim.update(eqx.filter_grad(f)(model), state, params)
+        grads = eqx.filter_jit(eqx.filter_grad(f))(model)
+        updates, _ = eqx.filter_jit(optim.update)(grads, state, params)
     new = eqx.apply_updates(model, updates)
     assert np.all(new[0].ssm.lambda_re == model[0].ssm.lambda_re)
     assert np.all(new[1].ssm.B == model[1].ssm.B)
