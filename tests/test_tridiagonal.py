@@ -13,7 +13,7 @@ import scipy.linalg
 from jax.test_util import check_grads
 
 import eqx_seq
-from eqx_seq._tridiagonal import _thomas
+from eqx_seq._tridiagonal import _lu_solve, _thomas
 
 
 BACKENDS = {
@@ -99,7 +99,7 @@ def test_complex_and_float32(backend):
     np.testing.assert_allclose(x32, scipy_solve(*args32, 1), rtol=2e-5, atol=2e-6)
 
 
-@pytest.mark.parametrize("transpose", [False, True])
+@pytest.mark.parametrize("tiles", [True, False])
 @pytest.mark.parametrize(
     "shapes,axis",
     [
@@ -114,31 +114,36 @@ def test_complex_and_float32(backend):
         ([(1, 3, 6, 2), (4, 1, 6, 2), (4, 3, 6, 1), (4, 3, 6, 2)], 2),
     ],
 )
-def test_blocked_thomas_matches_dense(shapes, axis, transpose):
-    # small blocks so that every path of the blocked sweep runs, with remainders
+def test_blocked_sweeps_match_scipy(shapes, axis, tiles):
+    # Thomas with its factors, and the factored solves with A and A^T, in blocks of
+    # 5 systems so that every path of the blocking runs, remainders included
     rng = np.random.default_rng(len(shapes[0]))
     full = np.broadcast_shapes(*shapes)
     args = [
         a[tuple(slice(0, s) for s in shp)]
         for a, shp in zip(dominant(rng, full), shapes)
     ]
-    for block in [5]:  # the default block size runs in the public tests
-        x = jax.jit(
-            lambda *a: _thomas(
-                *a,
-                axis=axis,
-                transpose=transpose,
-                unroll=1,
-                block=block,
-                unblocked_bytes=0,
-            )
-        )(*args)
-        lower, diag, upper, rhs = (np.broadcast_to(a, full) for a in args)
-        if transpose:  # A^T: sub-diagonal upper[i-1], super-diagonal lower[i+1]
-            lower, upper = np.roll(upper, 1, axis), np.roll(lower, -1, axis)
-        np.testing.assert_allclose(
-            x, scipy_solve(lower, diag, upper, rhs, axis), rtol=1e-11, atol=1e-12
-        )
+    rhs2 = rng.normal(size=full)
+    opts = dict(block_bytes=5 * 8, unblocked_bytes=0, tiles=tiles)
+
+    def run(*a):
+        x, factors = _thomas(*a, axis=axis, factors=True, **opts)
+        plain = _thomas(*a, axis=axis, **opts)
+        solve = lambda b, t: _lu_solve(factors, b, transpose=t)
+        return x, plain, solve(rhs2, False), solve(rhs2, True)
+
+    x, plain, y, yt = jax.jit(run)(*args)
+    lower, diag, upper, rhs = (np.broadcast_to(a, full) for a in args)
+    tol = dict(rtol=1e-11, atol=1e-12)
+    expected = scipy_solve(lower, diag, upper, rhs, axis)
+    np.testing.assert_allclose(x, expected, **tol)
+    np.testing.assert_array_equal(plain, x)
+    np.testing.assert_allclose(y, scipy_solve(lower, diag, upper, rhs2, axis), **tol)
+    # A^T: sub-diagonal upper[i-1], super-diagonal lower[i+1]
+    lower_t, upper_t = np.roll(upper, 1, axis), np.roll(lower, -1, axis)
+    np.testing.assert_allclose(
+        yt, scipy_solve(lower_t, diag, upper_t, rhs2, axis), **tol
+    )
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
