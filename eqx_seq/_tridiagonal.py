@@ -136,13 +136,13 @@ def _over_blocks(kernel, ins, out_shapes, dtype, *, block: int, small: bool, til
 # ------------------------------------------------------------------- Thomas sweeps
 # Thomas factorises A = L U: L lower bidiagonal with sub-diagonal `lower` and pivots
 # p_i = diag_i + lower_i e_{i-1}, U unit upper bidiagonal with super-diagonal -e_i,
-# e_i = -upper_i / p_i. The sweeps keep `inv` = 1 / p and `e`.
+# e_i = -upper_i / p_i. Only `inv` = 1 / p is kept: `e` is recomputed from `upper`
+# where needed, which reads an input instead of writing and reading one more array.
 def _k_thomas(ins, outs, blk: _Block, *, unroll: int):
-    """Kernel: `x` into `outs[0]`; with three buffers also `inv` and `e` into
-    `outs[1:]` (the factors, at the broadcast shape of the diagonals)."""
+    """Kernel: `x` into `outs[0]`, and `inv` into `outs[1]` if there is one (at the
+    broadcast shape of the diagonals)."""
     l, d, u, r = ins
     n = r.shape[blk.axis]
-    factors = len(outs) == 3
     dshape = jnp.broadcast_shapes(*(blk.row_shape(a) for a in (l, d, u)))
     shape = jnp.broadcast_shapes(dshape, blk.row_shape(r))
 
@@ -152,19 +152,17 @@ def _k_thomas(ins, outs, blk: _Block, *, unroll: int):
         inv = 1 / (d_i + l_i * e_prev)
         e = -u_i * inv
         y = (r_i - l_i * y_prev) * inv
-        if factors:
-            outs = (outs[0], blk.put(outs[1], i, inv), blk.put(outs[2], i, e))
-            return (e, y, outs), y
+        if len(outs) == 2:
+            outs = (outs[0], blk.put(outs[1], i, inv))
         return (e, y, outs), (e, y)
 
     init = (jnp.zeros(dshape, r.dtype), jnp.zeros(shape, r.dtype), outs)
-    (_, _, outs), ys = lax.scan(down, init, jnp.arange(n), unroll=unroll)
+    (_, _, outs), (e, y) = lax.scan(down, init, jnp.arange(n), unroll=unroll)
 
     def up(j, carry):
         x_next, outs = carry
         i = n - 1 - j
-        e_i = blk.row(outs[2], i) if factors else ys[0][i]
-        x = (ys if factors else ys[1])[i] + e_i * x_next
+        x = y[i] + e[i] * x_next
         return x, (blk.put(outs[0], i, x),) + outs[1:]
 
     _, outs = lax.fori_loop(0, n, up, (jnp.zeros(shape, r.dtype), outs), unroll=unroll)
@@ -172,19 +170,21 @@ def _k_thomas(ins, outs, blk: _Block, *, unroll: int):
 
 
 def _k_lu(ins, outs, blk: _Block, *, transpose: bool, unroll: int):
-    """Kernel: solve `A x = b` (or `A^T x = b`) with the factors `inv`, `e` of `A`;
-    only multiplications. `A^T = U^T L^T`: a unit lower sweep with sub-diagonal
-    `-e_{i-1}`, then an upper sweep with pivots `1 / inv_i` and super-diagonal
-    `lower_{i+1}`."""
-    l, inv, e, b = ins
+    """Kernel: solve `A x = b`, or `A^T x = b`, with `inv` from `_k_thomas`: only
+    multiplications. `A x = b`: `y_i = (b_i - lower_i y_{i-1}) inv_i`, then
+    `x_i = y_i + e_i x_{i+1}`. `A^T = U^T L^T`: `z_i = b_i + e_{i-1} z_{i-1}`, then
+    `x_i = (z_i - lower_{i+1} x_{i+1}) inv_i`."""
+    l, u, inv, b = ins
     n = b.shape[blk.axis]
     shape = jnp.broadcast_shapes(*(blk.row_shape(a) for a in ins))
+    row = blk.row
+    e = lambda i: -row(u, i) * row(inv, i)
 
     def down(y_prev, i):
-        if transpose:  # z_i = b_i + e_{i-1} z_{i-1}
-            y = blk.row(b, i) + blk.row(e, jnp.maximum(i - 1, 0)) * y_prev
-        else:  # y_i = (b_i - l_i y_{i-1}) / p_i
-            y = (blk.row(b, i) - blk.row(l, i) * y_prev) * blk.row(inv, i)
+        if transpose:
+            y = row(b, i) + e(jnp.maximum(i - 1, 0)) * y_prev
+        else:
+            y = (row(b, i) - row(l, i) * y_prev) * row(inv, i)
         return y, y
 
     _, ys = lax.scan(down, jnp.zeros(shape, b.dtype), jnp.arange(n), unroll=unroll)
@@ -192,17 +192,14 @@ def _k_lu(ins, outs, blk: _Block, *, transpose: bool, unroll: int):
     def up(j, carry):
         x_next, out = carry
         i = n - 1 - j
-        if transpose:  # w_i = (z_i - l_{i+1} w_{i+1}) / p_i
-            x = (ys[i] - blk.row(l, jnp.minimum(i + 1, n - 1)) * x_next) * blk.row(
-                inv, i
-            )
-        else:  # x_i = y_i + e_i x_{i+1}
-            x = ys[i] + blk.row(e, i) * x_next
+        if transpose:
+            x = (ys[i] - row(l, jnp.minimum(i + 1, n - 1)) * x_next) * row(inv, i)
+        else:
+            x = ys[i] + e(i) * x_next
         return x, blk.put(out, i, x)
 
-    _, out = lax.fori_loop(
-        0, n, up, (jnp.zeros(shape, b.dtype), outs[0]), unroll=unroll
-    )
+    zero = jnp.zeros(shape, b.dtype)
+    _, out = lax.fori_loop(0, n, up, (zero, outs[0]), unroll=unroll)
     return (out,)
 
 
@@ -231,8 +228,8 @@ class _Factors(NamedTuple):
     """Thomas's factors in `(P, n, Q)` form, and how to block sweeps over them."""
 
     lower: Array
+    upper: Array
     inv: Array
-    e: Array
     full: tuple[int, ...]
     axis: int
     options: dict
@@ -274,19 +271,19 @@ def _thomas(
     shapes = [(P, n, Q)]
     if factors:
         dshape = tuple(max(a.shape[k] for a in ins[:3]) for k in range(3))
-        shapes += [dshape, dshape]
+        shapes.append(dshape)
     outs = _over_blocks(
         ft.partial(_k_thomas, unroll=unroll), ins, shapes, r.dtype, **opts
     )
     x = outs[0].reshape(full)
     if not factors:
         return x
-    return x, _Factors(ins[0], outs[1], outs[2], full, axis, opts, unroll)
+    return x, _Factors(ins[0], ins[2], outs[1], full, axis, opts, unroll)
 
 
 def _lu_solve(f: _Factors, b: Array, *, transpose: bool) -> Array:
     """Solve `A x = b` (or `A^T x = b`) with the factors of `A`, in blocks."""
-    ins = (f.lower, f.inv, f.e, _as_pnq(b, f.axis, f.full))
+    ins = (f.lower, f.upper, f.inv, _as_pnq(b, f.axis, f.full))
     kernel = ft.partial(_k_lu, transpose=transpose, unroll=f.unroll)
     (x,) = _over_blocks(kernel, ins, [ins[3].shape], b.dtype, **f.options)
     return x.reshape(f.full)
