@@ -32,14 +32,13 @@ from ._scan import AbstractScan, AssociativeScan, AutoScan, SequentialScan
 
 
 # Systems per block on the Thomas path, as bytes of one row of a block: 2048
-# float32 / 1024 float64 systems. Measured on a 2-core CPU at 100k x 100 (time-major):
-# blocks of 512-4096 systems were within noise of each other, once the sweeps read
-# their rows straight from the full arrays and write straight into the output (that,
-# not the block size, took float64 from 1.8x to 1.2x Numba). Problems whose arrays
-# fit in cache (below _UNBLOCKED_BYTES each) are swept in one go: there, blocks only
-# add loop overhead.
+# float32 / 1024 float64 systems. Measured on a 2-core CPU at 100k x 100
+# (time-major): blocks of 512-4096 systems were within noise of each other once the
+# sweeps read their rows straight from the full arrays and write straight into the
+# output (that, not the block size, took float64 from 1.8x to about 1.2x Numba's
+# time). Small problems are blocked too: at 10k x 100 blocks were 1.2x (time-major)
+# to 2.2x (last axis, float64) faster than one sweep over everything.
 _BLOCK_BYTES = 8192
-_UNBLOCKED_BYTES = 8 * 2**20
 
 
 # ------------------------------------------------------------ sweeps over blocks
@@ -80,23 +79,21 @@ class _Block(NamedTuple):
         return lax.dynamic_update_slice(out, v.astype(out.dtype), start)
 
 
-def _over_blocks(kernel, ins, out_shapes, dtype, *, block: int, small: bool, tiles):
+def _over_blocks(kernel, ins, out_shapes, dtype, *, block: int):
     """`kernel(ins, outs, blk) -> outs` over blocks of about `block` systems of the
     `(P, n, Q)` arrays `ins` (size 1 on a system axis: broadcast), writing into
     fresh buffers of `out_shapes` (also `(P | 1, n, Q | 1)`); returns them.
 
     The one place where the Thomas-type sweeps are blocked. Time-major data
     (`P == 1`): blocks of columns, read and written in place. Otherwise blocks of
-    `rows` leading indices; with `tiles`, each block is laid out time-major
-    (`moveaxis`) while it is in cache, else read in place with strides. All at
-    once if `small`.
+    `block // Q` (at least one) leading indices, each laid out time-major
+    (`moveaxis`) while it is in cache: never the whole array. (Reading such blocks
+    in place with strides measured 1.1-1.6x slower.)
     """
     P = max(a.shape[0] for a in ins)
     Q = max(a.shape[2] for a in ins)
     n = ins[0].shape[1]
     outs = tuple(jnp.empty(s, dtype) for s in out_shapes)
-    if small:
-        return kernel(ins, outs, _Block(1, (0, 0), (P, Q)))
     if P == 1:
         total, step = Q, block
 
@@ -107,8 +104,6 @@ def _over_blocks(kernel, ins, out_shapes, dtype, *, block: int, small: bool, til
         total, step = P, max(1, block // Q)
 
         def run(start, size, outs):
-            if not tiles:
-                return kernel(ins, outs, _Block(1, (start, 0), (size, Q)))
             at = lambda a: start if a.shape[0] != 1 else 0
             grab = lambda a: (
                 a if a.shape[0] == 1 else lax.dynamic_slice_in_dim(a, start, size, 0)
@@ -232,18 +227,8 @@ class _Factors(NamedTuple):
     inv: Array
     full: tuple[int, ...]
     axis: int
-    options: dict
+    block: int
     unroll: int
-
-
-def _options(full, dtype, block_bytes: int, unblocked_bytes: int, tiles: bool):
-    """How `_over_blocks` splits arrays of shape `full` and `dtype`."""
-    itemsize = jnp.dtype(dtype).itemsize
-    return dict(
-        block=max(1, block_bytes // itemsize),
-        small=_prod(full) * itemsize <= unblocked_bytes,
-        tiles=tiles,
-    )
 
 
 def _thomas(
@@ -255,9 +240,7 @@ def _thomas(
     axis: int,
     unroll: int = 1,
     factors: bool = False,
-    block_bytes: int = _BLOCK_BYTES,
-    unblocked_bytes: int = _UNBLOCKED_BYTES,
-    tiles: bool = True,
+    block_bytes: int | None = None,
 ):
     """Thomas along `axis` of rank-aligned arrays, in blocks of systems.
 
@@ -265,7 +248,8 @@ def _thomas(
     `_Factors` of the matrix for `_lu_solve`.
     """
     full = jnp.broadcast_shapes(l.shape, d.shape, u.shape, r.shape)
-    opts = _options(full, r.dtype, block_bytes, unblocked_bytes, tiles)
+    block_bytes = _BLOCK_BYTES if block_bytes is None else block_bytes
+    block = max(1, block_bytes // r.dtype.itemsize)
     ins = tuple(_as_pnq(x, axis, full) for x in (l, d, u, r))
     P, n, Q = ins[3].shape
     shapes = [(P, n, Q)]
@@ -273,19 +257,19 @@ def _thomas(
         dshape = tuple(max(a.shape[k] for a in ins[:3]) for k in range(3))
         shapes.append(dshape)
     outs = _over_blocks(
-        ft.partial(_k_thomas, unroll=unroll), ins, shapes, r.dtype, **opts
+        ft.partial(_k_thomas, unroll=unroll), ins, shapes, r.dtype, block=block
     )
     x = outs[0].reshape(full)
     if not factors:
         return x
-    return x, _Factors(ins[0], ins[2], outs[1], full, axis, opts, unroll)
+    return x, _Factors(ins[0], ins[2], outs[1], full, axis, block, unroll)
 
 
 def _lu_solve(f: _Factors, b: Array, *, transpose: bool) -> Array:
     """Solve `A x = b` (or `A^T x = b`) with the factors of `A`, in blocks."""
     ins = (f.lower, f.upper, f.inv, _as_pnq(b, f.axis, f.full))
     kernel = ft.partial(_k_lu, transpose=transpose, unroll=f.unroll)
-    (x,) = _over_blocks(kernel, ins, [ins[3].shape], b.dtype, **f.options)
+    (x,) = _over_blocks(kernel, ins, [ins[3].shape], b.dtype, block=f.block)
     return x.reshape(f.full)
 
 
