@@ -4,19 +4,26 @@ Three methods, picked by the `scan` backend and the `pivoting` flag:
 
 - Thomas (LU without pivoting) for [`eqx_seq.SequentialScan`][]: one sweep down and
   one back along the solve axis, every other axis vectorised. The systems are
-  processed in blocks of about `_BLOCK` systems so that the sweep's scratch stays
-  in cache; when the solve axis is not the leading one, each block (not the whole
-  array) is laid out time-major while it is in cache.
+  processed in blocks of `_BLOCK_BYTES` per row (1024 float32 / 512 float64
+  systems) so that the sweep's scratch stays in cache; the sweeps read their rows
+  straight from the inputs and write straight into the output. When the solve axis
+  is not the leading one, each block (never the whole array) is laid out time-major
+  while it is in cache. `_over_blocks` is the one place where sweeps are blocked.
 - Parallel cyclic reduction (Hockney 1965; Hockney & Jesshope 1981) for
   [`eqx_seq.AssociativeScan`][]: `ceil(log2 n)` rounds of elementwise updates with
   shifts along the axis, so no transposes either.
 - LAPACK `gtsv` / cuSPARSE through `jax.lax.linalg.tridiagonal_solve` for
   `pivoting=True`.
 
-Derivatives come from `jax.lax.custom_linear_solve` around the tridiagonal product:
-the tangent is one more solve, `x' = A^{-1}(r' - A' x)`, and the reverse-mode
-adjoint is one solve with `A^T` (the off-diagonals swapped and shifted by one) and
-elementwise products, never autodiff through the sweeps.
+Derivatives are implicit, never autodiff through the sweeps. Thomas has a
+`jax.custom_jvp` (`_thomas_solve`): its rule runs the primal sweeps once, keeping
+the reciprocals of the pivots (`A = L U`), and gets the tangent
+`x' = A^{-1}(r' - A' x)` from `jax.lax.custom_linear_solve` whose `solve` and
+`transpose_solve` are sweeps with those factors (`A^T = U^T L^T`; multiplications
+only). Reverse mode is then the primal pass, two division-free sweeps and
+elementwise products; forward mode one more pair of sweeps; the plain forward is
+untouched. PCR and `pivoting=True` use `jax.lax.custom_linear_solve` around their
+own solves (the transposed solve being the method run on `A^T`).
 """
 
 import functools as ft
@@ -31,14 +38,15 @@ from jaxtyping import Array, ArrayLike, Inexact
 from ._scan import AbstractScan, AssociativeScan, AutoScan, SequentialScan
 
 
-# Systems per block on the Thomas path, as bytes of one row of a block: 2048
-# float32 / 1024 float64 systems. Measured on a 2-core CPU at 100k x 100
-# (time-major): blocks of 512-4096 systems were within noise of each other once the
-# sweeps read their rows straight from the full arrays and write straight into the
-# output (that, not the block size, took float64 from 1.8x to about 1.2x Numba's
-# time). Small problems are blocked too: at 10k x 100 blocks were 1.2x (time-major)
-# to 2.2x (last axis, float64) faster than one sweep over everything.
-_BLOCK_BYTES = 8192
+# Systems per block on the Thomas path, as bytes of one row of a block: 1024
+# float32 / 512 float64 systems. Measured on a 2-core CPU at 100k x 100: once the
+# sweeps read their rows straight from the inputs and write straight into the
+# output (that, not the block size, took float64 from 1.8x to about 1.3x Numba's
+# single-threaded time), rows of 2-32 KiB were within 10% of each other, 4 KiB
+# slightly ahead time-major. Small problems are blocked too: at 10k x 100 blocks
+# were 1.2x (time-major) to 2.2x (last axis, float64) faster than one sweep over
+# everything.
+_BLOCK_BYTES = 4096
 
 
 # ------------------------------------------------------------ sweeps over blocks
@@ -498,7 +506,12 @@ def tridiagonal_solve(
     mode one solve with $A^\top$ and elementwise products
     ($\bar r = A^{-\top} \bar x$, $\bar{\text{diag}}_i = -\bar r_i x_i$,
     $\bar{\text{lower}}_i = -\bar r_i x_{i-1}$,
-    $\bar{\text{upper}}_i = -\bar r_i x_{i+1}$). `jax.grad`, `jax.jacfwd`,
+    $\bar{\text{upper}}_i = -\bar r_i x_{i+1}$). On the Thomas path these
+    solves reuse the factorisation of the primal pass (the reciprocals of the
+    pivots, $A = LU$, $A^\top = U^\top L^\top$): two sweeps of multiplications,
+    no divisions; measured, the gradient of `sum(x**2)` w.r.t. all four inputs
+    costs about 2.5-3.5x the forward on CPU (`benchmarks/README.md`). PCR and
+    `pivoting=True` solve with $A^\top$ from scratch. `jax.grad`, `jax.jacfwd`,
     `jax.jacrev`, `jax.vmap`, `jax.jit` and higher orders all work. Complex dtypes
     follow JAX's convention (plain transposes, no conjugation).
 
