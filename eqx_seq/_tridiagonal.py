@@ -96,7 +96,7 @@ def _over_blocks(kernel, ins, out_shapes, dtype, *, block: int):
     (`P == 1`): blocks of columns, read and written in place. Otherwise blocks of
     `block // Q` (at least one) leading indices, each laid out time-major
     (`moveaxis`) while it is in cache: never the whole array. (Reading such blocks
-    in place with strides measured 1.1-1.6x slower.)
+    in place with strides measured 1.35x slower at 100k x 100.)
     """
     P = max(a.shape[0] for a in ins)
     Q = max(a.shape[2] for a in ins)
@@ -475,16 +475,17 @@ def tridiagonal_solve(
     - [`eqx_seq.SequentialScan`][] (the `AutoScan` choice on CPU): the Thomas
         algorithm (Gaussian elimination without pivoting; Thomas 1949), `O(n)` per
         system, vectorised across systems. It never transposes the whole array:
-        systems are swept in blocks of a few thousand so that the sweep's scratch
-        stays in cache, and when `axis` is not the leading axis each block is laid
-        out along `axis` while it is in cache. At 100k systems of size 100 on CPU
-        it was 2.5-4.8x faster than `jax.lax.linalg.tridiagonal_solve` on
-        time-major data (`axis=0`) and 1.9-2.3x on systems along the last axis
+        systems are swept in blocks of about a thousand so that the sweep's
+        scratch stays in cache, rows are read from the inputs and written to the
+        output in place, and when `axis` is not the leading axis each block is
+        laid out along `axis` while it is in cache. At 100k systems of size 100 on
+        CPU it was 3.4-4.7x faster than `jax.lax.linalg.tridiagonal_solve` on
+        time-major data (`axis=0`) and 1.4-2.0x on systems along the last axis
         (`benchmarks/README.md`).
     - [`eqx_seq.AssociativeScan`][] (the `AutoScan` choice on GPU/TPU): parallel
         cyclic reduction (PCR; Hockney 1965), `ceil(log2 n)` rounds of elementwise
         updates with shifts along `axis`: `O(n log n)` work, `O(log n)` depth, for
-        a few long systems on parallel hardware. On CPU it is 10-15x slower than
+        a few long systems on parallel hardware. On CPU it is 10-20x slower than
         Thomas. Chosen over the associative-scan form of Thomas (2x2 products for
         the pivots), which inherits Thomas's pivots and so its failure on a tiny
         leading pivot, where PCR stays accurate (measured in
@@ -510,7 +511,7 @@ def tridiagonal_solve(
     solves reuse the factorisation of the primal pass (the reciprocals of the
     pivots, $A = LU$, $A^\top = U^\top L^\top$): two sweeps of multiplications,
     no divisions; measured, the gradient of `sum(x**2)` w.r.t. all four inputs
-    costs about 2.5-3.5x the forward on CPU (`benchmarks/README.md`). PCR and
+    costs about 1.8-4.3x the forward on CPU (`benchmarks/README.md`). PCR and
     `pivoting=True` solve with $A^\top$ from scratch. `jax.grad`, `jax.jacfwd`,
     `jax.jacrev`, `jax.vmap`, `jax.jit` and higher orders all work. Complex dtypes
     follow JAX's convention (plain transposes, no conjugation).
