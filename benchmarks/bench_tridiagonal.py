@@ -13,7 +13,10 @@ with its carry `init` corrected to `(batch,)`: as written it broadcasts to
 "% floor" divides the bandwidth floor by the row's time. The floor is the best of
 twenty runs of `out[:] = a + b + c + d` over the same four arrays into a preallocated
 `out` (four reads, one write: the traffic of an ideal solve), with Numba on all
-cores (NumPy, one core, if Numba is missing), measured in the same run. Gradients are of `sum(x**2)` w.r.t. all four inputs.
+cores (NumPy, one core, if Numba is missing), measured in the same run. "x Numba"
+divides by Numba's SIMD kernel on time-major data (all cores); the same kernel also
+runs on one thread, since XLA runs our sweeps on one. Gradients are of `sum(x**2)`
+w.r.t. all four inputs.
 
     python benchmarks/bench_tridiagonal.py            # about 4 minutes on 2 cores
     python benchmarks/bench_tridiagonal.py --quick    # 10k systems, a smoke test
@@ -208,6 +211,21 @@ def grad_of(solve):
 
 
 ANCHOR = "jax.lax.linalg.tridiagonal_solve (gtsv)"
+NUMBA_SIMD = "Numba SIMD across systems, time-major, prange"
+
+
+def one_thread(fn):
+    """`fn` (a parallel Numba kernel) run with Numba limited to one thread."""
+
+    def run(*args):
+        threads = numba.get_num_threads()
+        numba.set_num_threads(1)
+        try:
+            return fn(*args)
+        finally:
+            numba.set_num_threads(threads)
+
+    return run
 
 
 def run_dtype(dtype, batch, n, repeats, with_pcr):
@@ -253,7 +271,13 @@ def run_dtype(dtype, batch, n, repeats, with_pcr):
     if numba is not None:
         per_system, time_major = numba_kernels()
         fwd["Numba per system, prange"] = ("last", per_system, last)
-        fwd["Numba SIMD across systems, time-major, prange"] = ("tm", time_major, tm)
+        fwd[NUMBA_SIMD] = ("tm", time_major, tm)
+        # XLA runs our sweeps on one thread: the same kernel on one thread
+        fwd["Numba SIMD across systems, time-major, 1 thread"] = (
+            "tm",
+            one_thread(time_major),
+            tm,
+        )
     programs = {name: (fn, args) for name, (_, fn, args) in fwd.items()}
     grads = {
         "grad: jax.lax.linalg.tridiagonal_solve": (grad_of(lax_gtsv), last_j),
@@ -268,6 +292,7 @@ def run_dtype(dtype, batch, n, repeats, with_pcr):
     scale = np.abs(ref).max()
     rows = []
     anchor = timed[ANCHOR]["median_ms"]
+    simd = timed[NUMBA_SIMD]["median_ms"] if NUMBA_SIMD in timed else float("nan")
     floor = stream_floor_ms(tm)
     for name, (layout, fn, args) in fwd.items():
         out = np.asarray(fn(*args))
@@ -280,6 +305,7 @@ def run_dtype(dtype, batch, n, repeats, with_pcr):
                 layout="(n, batch)" if layout == "tm" else "(batch, n)",
                 ms=t["median_ms"],
                 ratio=t["median_ms"] / anchor,
+                per_numba=t["median_ms"] / simd,
                 floor_pct=100 * floor / t["median_ms"],
                 first_s=t["first_call_s"],
                 relerr=float(err),
@@ -350,14 +376,16 @@ def print_tables(dtype_name, batch, n, res):
         f"ratio to {ANCHOR} =="
     )
     print(
-        f"{'method':48s} {'layout':11s} {'ms':>9s} {'x gtsv':>7s} {'% floor':>8s} "
-        f"{'compile s':>9s} {'rel. err':>9s}"
+        f"{'method':48s} {'layout':11s} {'ms':>9s} {'x gtsv':>7s} {'x Numba':>7s} "
+        f"{'% floor':>8s} {'compile s':>9s} {'rel. err':>9s}"
     )
     for r in res["forward"]:
         print(
             f"{r['name']:48s} {r['layout']:11s} {r['ms']:9.1f} {r['ratio']:7.2f} "
-            f"{r['floor_pct']:7.1f}% {r['first_s']:9.2f} {r['relerr']:9.1e}"
+            f"{r['per_numba']:7.2f} {r['floor_pct']:7.1f}% {r['first_s']:9.2f} "
+            f"{r['relerr']:9.1e}"
         )
+    print(f"(x Numba: ratio to '{NUMBA_SIMD}', nan without Numba)")
     print(
         f"(floor: out[:] = a + b + c + d over the same arrays, best of 20 = "
         f"{res['floor_ms']:.1f} ms)"

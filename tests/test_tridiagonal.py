@@ -13,7 +13,8 @@ import scipy.linalg
 from jax.test_util import check_grads
 
 import eqx_seq
-from eqx_seq._tridiagonal import _thomas
+import eqx_seq._tridiagonal as tridiagonal_module
+from eqx_seq._tridiagonal import _lu_solve, _thomas
 
 
 BACKENDS = {
@@ -99,7 +100,6 @@ def test_complex_and_float32(backend):
     np.testing.assert_allclose(x32, scipy_solve(*args32, 1), rtol=2e-5, atol=2e-6)
 
 
-@pytest.mark.parametrize("transpose", [False, True])
 @pytest.mark.parametrize(
     "shapes,axis",
     [
@@ -114,31 +114,36 @@ def test_complex_and_float32(backend):
         ([(1, 3, 6, 2), (4, 1, 6, 2), (4, 3, 6, 1), (4, 3, 6, 2)], 2),
     ],
 )
-def test_blocked_thomas_matches_dense(shapes, axis, transpose):
-    # small blocks so that every path of the blocked sweep runs, with remainders
+def test_blocked_sweeps_match_scipy(shapes, axis):
+    # Thomas with its factors, and the factored solves with A and A^T, in blocks of
+    # 5 systems so that every path of the blocking runs, remainders included
     rng = np.random.default_rng(len(shapes[0]))
     full = np.broadcast_shapes(*shapes)
     args = [
         a[tuple(slice(0, s) for s in shp)]
         for a, shp in zip(dominant(rng, full), shapes)
     ]
-    for block in [5]:  # the default block size runs in the public tests
-        x = jax.jit(
-            lambda *a: _thomas(
-                *a,
-                axis=axis,
-                transpose=transpose,
-                unroll=1,
-                block=block,
-                unblocked_bytes=0,
-            )
-        )(*args)
-        lower, diag, upper, rhs = (np.broadcast_to(a, full) for a in args)
-        if transpose:  # A^T: sub-diagonal upper[i-1], super-diagonal lower[i+1]
-            lower, upper = np.roll(upper, 1, axis), np.roll(lower, -1, axis)
-        np.testing.assert_allclose(
-            x, scipy_solve(lower, diag, upper, rhs, axis), rtol=1e-11, atol=1e-12
-        )
+    rhs2 = rng.normal(size=full)
+    opts = dict(block_bytes=5 * 8)
+
+    def run(*a):
+        x, factors = _thomas(*a, axis=axis, factors=True, **opts)
+        plain = _thomas(*a, axis=axis, **opts)
+        solve = lambda b, t: _lu_solve(factors, b, transpose=t)
+        return x, plain, solve(rhs2, False), solve(rhs2, True)
+
+    x, plain, y, yt = jax.jit(run)(*args)
+    lower, diag, upper, rhs = (np.broadcast_to(a, full) for a in args)
+    tol = dict(rtol=1e-11, atol=1e-12)
+    expected = scipy_solve(lower, diag, upper, rhs, axis)
+    np.testing.assert_allclose(x, expected, **tol)
+    np.testing.assert_array_equal(plain, x)
+    np.testing.assert_allclose(y, scipy_solve(lower, diag, upper, rhs2, axis), **tol)
+    # A^T: sub-diagonal upper[i-1], super-diagonal lower[i+1]
+    lower_t, upper_t = np.roll(upper, 1, axis), np.roll(lower, -1, axis)
+    np.testing.assert_allclose(
+        yt, scipy_solve(lower_t, diag, upper_t, rhs2, axis), **tol
+    )
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -303,6 +308,85 @@ def test_jacfwd_jacrev_vmap(backend):
         for a, b in zip(vg, grads):
             np.testing.assert_allclose(a[k], b, rtol=1e-10, atol=1e-13)
         np.testing.assert_allclose(vr[k], one(*args[:3], batch[3][k])[0], rtol=1e-12)
+
+
+def dense_solve(lower, diag, upper, rhs, axis):
+    """Reference for derivatives: `jnp.linalg.solve` on the dense matrices, any
+    layout and broadcasting; differentiated by JAX through the dense LU."""
+    full = jnp.broadcast_shapes(lower.shape, diag.shape, upper.shape, rhs.shape)
+    move = lambda x: jnp.moveaxis(jnp.broadcast_to(x, full), axis, -1)
+    lower, diag, upper, rhs = map(move, (lower, diag, upper, rhs))
+    n = full[axis]
+    eye = lambda k: jnp.eye(n, k=k, dtype=diag.dtype).reshape(
+        (1,) * (len(full) - 1) + (n, n)
+    )
+    A = (
+        diag[..., :, None] * eye(0)
+        + lower[..., :, None] * eye(-1)  # row i: lower[i] at column i-1
+        + upper[..., :, None] * eye(1)
+    )
+    return jnp.moveaxis(jnp.linalg.solve(A, rhs[..., None])[..., 0], -1, axis)
+
+
+@pytest.mark.parametrize(
+    "shapes,axis,complex_,second_order",
+    [
+        ([(6, 7)] * 4, 0, False, True),  # time-major, blocks of 3 systems + 1
+        ([(6, 1), (6, 1), (6, 1), (6, 7)], 0, False, False),  # shared diagonals
+        ([(7, 6)] * 4, 1, True, False),  # systems on the leading axis: tiles
+        ([(3, 6, 1), (1, 6, 2), (3, 6, 2), (3, 6, 2)], 1, False, True),
+    ],
+)
+def test_factored_derivatives_in_blocks(
+    monkeypatch, shapes, axis, complex_, second_order
+):
+    # the Thomas path's jvp rule (factors kept, division-free tangent and adjoint
+    # sweeps) in blocks of 3 systems, against autodiff through dense solves
+    monkeypatch.setattr(tridiagonal_module, "_BLOCK_BYTES", 3 * 16)
+    rng = np.random.default_rng(11)
+    full = np.broadcast_shapes(*shapes)
+    draw = dominant(rng, full, complex_=complex_)
+    args = tuple(
+        jnp.asarray(a[tuple(slice(0, s) for s in shp)]) for a, shp in zip(draw, shapes)
+    )
+    tangents = tuple(
+        jnp.asarray(rng.normal(size=a.shape)).astype(a.dtype) for a in args
+    )
+    kw = dict(axis=axis, scan=eqx_seq.SequentialScan())
+    ours = lambda *a: eqx_seq.tridiagonal_solve(*a, **kw)
+    ref = lambda *a: dense_solve(*a, axis)
+    tol = dict(rtol=1e-10, atol=1e-12)
+    every = (0, 1, 2, 3)
+    for f in (ours, ref):  # fresh traces: the patched block size applies
+        f.jvp = jax.jit(lambda *a, f=f: jax.jvp(f, a, tangents))(*args)
+        x, pullback = jax.vjp(f, *args)
+        f.vjp = jax.jit(pullback)(jnp.cos(x))
+        f.jacfwd = jax.jit(jax.jacfwd(f, every, holomorphic=complex_))(*args)
+        f.jacrev = jax.jit(jax.jacrev(f, every, holomorphic=complex_))(*args)
+    for name in ("jvp", "vjp", "jacfwd", "jacrev"):
+        for a, b in zip(getattr(ours, name), getattr(ref, name)):
+            np.testing.assert_allclose(a, b, **tol)
+    if not second_order:
+        return
+    # second order (forward over reverse and reverse over reverse), vmap of grad
+    loss = lambda f: lambda *a: jnp.sum(jnp.sin(f(*a)))
+    for f in (ours, ref):
+        grad = jax.grad(loss(f), argnums=every)
+        f.fwd_rev = jax.jit(lambda *a, g=grad: jax.jvp(g, a, tangents))(*args)
+        f.hvp = jax.jit(
+            lambda *a, f=f: jax.grad(
+                lambda *b: jnp.vdot(jax.grad(loss(f), argnums=0)(*b), tangents[0]),
+                argnums=every,
+            )(*a)
+        )(*args)
+        batch = tuple(jnp.stack([a, 2 * a]) for a in args)
+        f.vgrad = jax.jit(jax.vmap(jax.grad(loss(f), argnums=every)))(*batch)
+    for name in ("fwd_rev", "hvp", "vgrad"):
+        leaves = zip(
+            jax.tree.leaves(getattr(ours, name)), jax.tree.leaves(getattr(ref, name))
+        )
+        for a, b in leaves:
+            np.testing.assert_allclose(a, b, rtol=1e-9, atol=1e-11)
 
 
 def test_backends_agree_on_values_and_gradients():
