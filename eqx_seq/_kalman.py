@@ -213,10 +213,13 @@ def _predict(m: Array, P: Array, F: Array, L_Q: Array, c: Array | None):
 def _update(m: Array, P: Array, y: Array, Hw: Array, obs: Array):
     """Condition `N(m, P)` on `y = Hw x + e`, `e ~ N(0, I)`, one entry at a time.
 
-    Returns the filtered mean and covariance and the log-density of the observed
-    entries of `y` (without the whitening log-determinant).
+    Returns the filtered mean and covariance, the log-density of the observed
+    entries of `y` (without the whitening log-determinant), and what the
+    smoother needs of each scalar update: the gains `k_j`, innovations `e_j` and
+    innovation variances `s_j`.
     """
     ll = jnp.zeros((), m.dtype)
+    ks, es, ss = [], [], []
     for j in range(y.shape[0]):
         h = Hw[j]
         Ph = _mv(P, h)
@@ -226,13 +229,17 @@ def _update(m: Array, P: Array, y: Array, Hw: Array, obs: Array):
         m = m + k * e
         P = P - k[:, None] * Ph[None, :]
         ll = ll + jnp.where(obs[j], -0.5 * (_LOG_2PI + jnp.log(s) + e * e / s), 0)
-    return m, _sym(P), ll
+        ks.append(k)
+        es.append(e)
+        ss.append(s)
+    return m, _sym(P), ll, (jnp.stack(ks), jnp.stack(es), jnp.stack(ss))
 
 
 # --- filters ---
 
 
-def _filter_sequential(model: _Model, c, yw, obs, W, logdet) -> KalmanFilterResult:
+def _filter_sequential(model: _Model, c, yw, obs, W, logdet, record: bool = False):
+    """The filter in a `lax.scan`; with `record`, also what the smoother needs."""
     F_v, Q_v, H_v, W_v = (
         _per_step(model.F, 2),
         _per_step(model.L_Q, 2),
@@ -261,16 +268,26 @@ def _filter_sequential(model: _Model, c, yw, obs, W, logdet) -> KalmanFilterResu
             Hw = _mm(x["W"] if W_v else W, x["H"] if H_v else model.H)
         else:
             Hw = Hw_const
-        m, P, ll = _update(m_pred, P_pred, x["y"], Hw, x["obs"])
-        return (m, P), (m, P, m_pred, P_pred, ll)
+        m, P, ll, rec = _update(m_pred, P_pred, x["y"], Hw, x["obs"])
+        out = (m, P, m_pred, P_pred, ll)
+        return (m, P), (out, rec) if record else out
 
     P0 = _gram(model.L_P0)
     # rematerialised in the backward pass: storing every intermediate of the unrolled
     # scalar updates made reverse mode 5x slower (measured, n=16, p=8)
     step = jax.checkpoint(step)
-    _, (ms, Ps, mps, Pps, lls) = lax.scan(step, (model.m0, P0), xs)
+    _, out = lax.scan(step, (model.m0, P0), xs)
+    (ms, Ps, mps, Pps, lls), rec = out if record else (out, None)
     lls = lls - logdet
-    return KalmanFilterResult(ms, Ps, mps, Pps, lls, jnp.sum(lls))
+    result = KalmanFilterResult(ms, Ps, mps, Pps, lls, jnp.sum(lls))
+    if not record:
+        return result
+    Hw = (
+        Hw_const
+        if Hw_const is not None
+        else _bt(W, yw.shape[0]) @ _bt(model.H, yw.shape[0])
+    )
+    return result, (Hw, *rec)
 
 
 def _filter_elements(model: _Model, c, yw, obs, W):
@@ -365,12 +382,12 @@ def _filter_parallel(model: _Model, c, yw, obs, W, logdet) -> KalmanFilterResult
     mps, Pps = _predictions(model, c, ms, Ps)
     T = yw.shape[0]
     Hw = _bt(W, T) @ _bt(model.H, T)
-    _, _, lls = jax.vmap(_update)(mps, Pps, yw, Hw, obs)
+    _, _, lls, _ = jax.vmap(_update)(mps, Pps, yw, Hw, obs)
     lls = lls - logdet
     return KalmanFilterResult(ms, Ps, mps, Pps, lls, jnp.sum(lls))
 
 
-# --- smoother ---
+# --- smoothers ---
 
 
 def _smoother_elements(model: _Model, filtered: KalmanFilterResult):
@@ -406,22 +423,65 @@ def _combine_smoother(later, earlier):
     return E_e @ E_l, E_e @ g_l + g_e, _sym(E_e @ L_l @ E_e.T + L_e)
 
 
-def _smooth(model: _Model, filtered: KalmanFilterResult, assoc: bool):
+def _smooth_associative(model: _Model, filtered: KalmanFilterResult):
+    """RTS smoother as an associative scan over the elements `(E_t, g_t, L_t)`."""
     E, g, L = _smoother_elements(model, filtered)
-    if assoc:
-        _, ms, Ps = level_scan(jax.vmap(_combine_smoother), (E, g, L), reverse=True)
-    else:
-
-        def step(carry, x):
-            m, P = carry
-            E, g, L = x
-            m = E @ m + g
-            P = _sym(E @ P @ E.T + L)
-            return (m, P), (m, P)
-
-        init = (jnp.zeros_like(g[0]), jnp.zeros_like(L[0]))
-        _, (ms, Ps) = lax.scan(step, init, (E, g, L), reverse=True)
+    _, ms, Ps = level_scan(jax.vmap(_combine_smoother), (E, g, L), reverse=True)
     cross = E[:-1] @ Ps[1:]
+    return KalmanSmootherResult(ms, Ps, cross, filtered)
+
+
+def _smooth_sequential(model: _Model, filtered: KalmanFilterResult, recorded):
+    """The RTS smoother in Bryson-Frazier form, backwards over the scalar updates.
+
+    Koopman & Durbin (J. Time Series Analysis 2000): going back through step
+    `t`'s scalar updates `j = p..1` (gain `k_j`, innovation `e_j`, variance `s_j`,
+    whitened emission row `h_j`) accumulates `r = Cov^{-1}`-weighted innovations
+    and their information `N`:
+
+        r <- h e / s + (I - k h^T)^T r,   N <- h h^T / s + (I - k h^T)^T N (I - k h^T)
+
+    then `r <- F^T r`, `N <- F^T N F` into step `t - 1`. The smoothed moments are
+    `m_t + P_t r_t` and `P_t - P_t N_t P_t` from the *predicted* `(m_t, P_t)`,
+    and `Cov[x_t, x_{t+1}] = P^f_t F^T (I - N_{t+1} P_{t+1})`: no matrix is
+    inverted or factored (the classic RTS gain needs `P_{t+1}^{-1}` every step),
+    the loop body is rank-one updates, and everything else is batched.
+    """
+    Hw, ks, es, ss = recorded
+    F_v = _per_step(model.F, 2)
+    H_v = Hw.ndim == 3
+    xs = {"k": ks, "e": es, "s": ss}
+    if H_v:
+        xs["h"] = Hw
+    if F_v:
+        xs["F"] = model.F
+
+    def step(carry, x):
+        r, N = carry
+        rows = x["h"] if H_v else Hw
+        for j in reversed(range(rows.shape[0])):
+            h, k, e, s = rows[j], x["k"][j], x["e"][j], x["s"][j]
+            v = _mv(N, k)
+            r = r + h * (e / s - jnp.sum(k * r))
+            hh = h[:, None] * h[None, :]
+            hv = h[:, None] * v[None, :]
+            N = N - hv - hv.T + (1 / s + jnp.sum(k * v)) * hh
+        F = x["F"] if F_v else model.F
+        r_prev = _mv(F.T, r)
+        N_prev = _sym(_mm(_mm(F.T, N), F))
+        return (r_prev, N_prev), (r, N)
+
+    n = filtered.means.shape[-1]
+    dtype = filtered.means.dtype
+    init = (jnp.zeros((n,), dtype), jnp.zeros((n, n), dtype))
+    _, (r, N) = lax.scan(step, init, xs, reverse=True)
+    mp, Pp = filtered.predicted_means, filtered.predicted_covs
+    ms = mp + jnp.einsum("tij,tj->ti", Pp, r)
+    PpN = Pp @ N
+    Ps = _sym(Pp - PpN @ Pp)
+    F_next = model.F[1:] if F_v else model.F
+    PfFt = filtered.covs[:-1] @ _mT(F_next)  # P^f_t F_{t+1}^T
+    cross = PfFt - PfFt @ _mT(PpN[1:])  # (N P)^T = P N
     return KalmanSmootherResult(ms, Ps, cross, filtered)
 
 
@@ -434,7 +494,24 @@ def _uses_associative(scan: AbstractScan) -> bool:
     return isinstance(chosen, AssociativeScan)
 
 
-def _filter(kf: "KalmanFilter", ys: Array, us: Array | None) -> KalmanFilterResult:
+def _complete_whitening(L_R: Array, T: int) -> tuple[Array, Array]:
+    """`W = L_R^{-1}` (constant unless `R` varies) and `log det L_R` per step."""
+    W = jsl.solve_triangular(L_R, _eye_like(L_R), lower=True)
+    logdet = jnp.sum(jnp.log(jnp.diagonal(L_R, axis1=-2, axis2=-1)), axis=-1)
+    return W, jnp.broadcast_to(logdet, (T,))
+
+
+def _run(kf: "KalmanFilter", ys: Array, us: Array | None, body):
+    """Prepare the data and call `body(model, c, y, obs, W, logdet, whiten)`.
+
+    `y` are the observations minus `D u` with NaNs zeroed, `c = B u`, `W, logdet`
+    the whitening (see `_whiten`) and `whiten(L_R)` a function computing it for
+    other `R` (for Fisher's identity). With complete data `W` is one constant
+    matrix: for the sequential backend `body` runs in one branch of a `lax.cond`
+    per case (so that the loop keeps `W` outside); for the associative backend only
+    the whitening is cond'ed, so that the (slow to compile) parallel program
+    appears once.
+    """
     model = kf._model()
     T = ys.shape[0]
     obs = ~jnp.isnan(ys)
@@ -443,37 +520,176 @@ def _filter(kf: "KalmanFilter", ys: Array, us: Array | None) -> KalmanFilterResu
     if kf.D is not None:
         y = jnp.where(obs, y - us @ kf.D.T, 0)
     R_varies = _per_step(model.L_R, 2)
-    assoc = _uses_associative(kf.scan)
-    run = _filter_parallel if assoc else _filter_sequential
+    complete = jnp.all(obs)
 
-    def with_whitening(W, logdet):
-        yw = jnp.einsum("ij,tj->ti" if W.ndim == 2 else "tij,tj->ti", W, y)
-        return run(model, c, yw, obs, W, logdet)
+    def missing_whitening(L_R):
+        return _whiten(L_R, obs, R_varies)
 
-    def complete_whitening():
-        L = model.L_R
-        W = jsl.solve_triangular(L, _eye_like(L), lower=True)
-        logdet = jnp.sum(jnp.log(jnp.diagonal(L, axis1=-2, axis2=-1)), axis=-1)
-        return W, jnp.broadcast_to(logdet, (T,))
+    def call(whiten):
+        W, logdet = whiten(model.L_R)
+        return body(model, c, y, obs, W, logdet, whiten)
 
-    if assoc:
-        # one copy of the (slow to compile) parallel program: only the whitening
-        # matrices depend on whether anything is missing
-        def complete():
-            W, logdet = complete_whitening()
-            return jnp.broadcast_to(W, (T, *W.shape[-2:])), logdet
+    if _uses_associative(kf.scan):
 
-        W, logdet = lax.cond(
-            jnp.all(obs), complete, lambda: _whiten(model.L_R, obs, R_varies)
-        )
-        return with_whitening(W, logdet)
-    # sequential: the whole filter per branch, so that complete data keep one
-    # constant whitening matrix outside the loop
+        def either(L_R):
+            def full():
+                W, logdet = _complete_whitening(L_R, T)
+                return jnp.broadcast_to(W, (T, *W.shape[-2:])), logdet
+
+            return lax.cond(complete, full, lambda: missing_whitening(L_R))
+
+        return call(either)
     return lax.cond(
-        jnp.all(obs),
-        lambda: with_whitening(*complete_whitening()),
-        lambda: with_whitening(*_whiten(model.L_R, obs, R_varies)),
+        complete,
+        lambda: call(lambda L_R: _complete_whitening(L_R, T)),
+        lambda: call(missing_whitening),
     )
+
+
+def _whitened(W: Array, y: Array) -> Array:
+    return jnp.einsum("ij,tj->ti" if W.ndim == 2 else "tij,tj->ti", W, y)
+
+
+def _filter(kf: "KalmanFilter", ys: Array, us: Array | None) -> KalmanFilterResult:
+    run = _filter_parallel if _uses_associative(kf.scan) else _filter_sequential
+
+    def body(model, c, y, obs, W, logdet, whiten):
+        return run(model, c, _whitened(W, y), obs, W, logdet)
+
+    return _run(kf, ys, us, body)
+
+
+def _smoothed(model: _Model, c, y, obs, W, logdet, assoc: bool):
+    if assoc:
+        filtered = _filter_parallel(model, c, _whitened(W, y), obs, W, logdet)
+        return _smooth_associative(model, filtered)
+    filtered, recorded = _filter_sequential(
+        model, c, _whitened(W, y), obs, W, logdet, record=True
+    )
+    return _smooth_sequential(model, filtered, recorded)
+
+
+def _smooth(kf: "KalmanFilter", ys: Array, us: Array | None) -> KalmanSmootherResult:
+    assoc = _uses_associative(kf.scan)
+
+    def body(model, c, y, obs, W, logdet, whiten):
+        return _smoothed(model, c, y, obs, W, logdet, assoc)
+
+    return _run(kf, ys, us, body)
+
+
+# --- the log-likelihood's gradient by Fisher's identity ---
+
+
+def _sum_tr(A: Array, X: Array, B: Array) -> Array:
+    """`sum_t tr(A_t X_t B_t^T)`; `A`, `B` constant or per step, `X` per step."""
+    if A.ndim == 2 and B.ndim == 2:
+        return jnp.sum((A @ jnp.sum(X, axis=0)) * B)
+    T = X.shape[0]
+    return jnp.sum((_bt(A, T) @ X) * _bt(B, T))
+
+
+def _expected_log_joint(params, ys, us, static, obs, stats, whiten) -> Array:
+    """`E[log p(x_1..x_T, y_1..y_T | params)]` over a fixed Gaussian posterior.
+
+    `stats = (means, covs, cross_covs)` are the smoother's moments of `x_1..x_T`
+    (`x_0` is integrated out: `x_1 ~ N(F_1 m0 + B u_1, F_1 P0 F_1^T + Q_1)`); only
+    observed entries of `y` count. Linear in the statistics and scan-free; its
+    gradient at the parameters the statistics came from is the log-likelihood's
+    (Fisher's identity). Quadratic forms in `Q^{-1}`, `Sigma_1^{-1}` go through
+    triangular solves with the Cholesky factors.
+    """
+    kf = eqx.combine(params, static)
+    model = kf._model()
+    ms, Ps, cross = stats
+    T, n = ms.shape
+    F_v, Q_v = _per_step(model.F, 2), _per_step(model.L_Q, 2)
+    dtype = ms.dtype
+    y = jnp.where(obs, ys, 0)
+    c = None if kf.B is None else us @ kf.B.T
+    if kf.D is not None:
+        y = jnp.where(obs, y - us @ kf.D.T, 0)
+    # x_1
+    F1 = model.F[0] if F_v else model.F
+    LQ1 = model.L_Q[0] if Q_v else model.L_Q
+    mu1, S1 = _predict(
+        model.m0, _gram(model.L_P0), F1, LQ1, None if c is None else c[0]
+    )
+    L1 = jnp.linalg.cholesky(S1)
+    d1 = ms[0] - mu1
+    q1 = jnp.trace(_cho_solve(L1, Ps[0] + d1[:, None] * d1[None, :]))
+    ll = -0.5 * (n * _LOG_2PI + q1) - jnp.sum(jnp.log(jnp.diagonal(L1)))
+    # transitions x_{t-1} -> x_t, t = 2..T
+    if T > 1:
+        F = model.F[1:] if F_v else model.F
+        L_Q = model.L_Q[1:] if Q_v else model.L_Q
+        K = jsl.solve_triangular(L_Q, _eye_like(L_Q), lower=True)  # L_Q^{-1}
+        d = ms[1:] - (
+            ms[:-1] @ _mT(F) if not F_v else jnp.einsum("tij,tj->ti", F, ms[:-1])
+        )
+        if c is not None:
+            d = d - c[1:]
+        Kd = d @ K.T if not Q_v else jnp.einsum("tij,tj->ti", K, d)
+        KF = K @ F
+        quad = (
+            jnp.sum(Kd * Kd)
+            + _sum_tr(K, Ps[1:], K)
+            - 2 * _sum_tr(KF, cross, K)
+            + _sum_tr(KF, Ps[:-1], KF)
+        )
+        logdet_Q = jnp.sum(jnp.log(jnp.diagonal(L_Q, axis1=-2, axis2=-1)))
+        logdet_Q = logdet_Q * (1 if Q_v else T - 1)
+        ll = ll - 0.5 * ((T - 1) * n * _LOG_2PI + quad) - logdet_Q
+    # emissions
+    W, logdet = whiten(model.L_R)
+    Hw = W @ model.H
+    r = _whitened(W, y) - (
+        ms @ _mT(Hw) if Hw.ndim == 2 else jnp.einsum("tij,tj->ti", Hw, ms)
+    )
+    quad = jnp.sum(r * r) + _sum_tr(Hw, Ps, Hw)
+    num_obs = jnp.sum(obs).astype(dtype)
+    return ll - 0.5 * (num_obs * _LOG_2PI + quad) - jnp.sum(logdet)
+
+
+def _fisher_log_likelihood(kf: "KalmanFilter", ys: Array, us: Array | None) -> Array:
+    """The log-likelihood, differentiated by Fisher's identity (a custom JVP).
+
+    Its tangent is `<g, dot>` with `g` the gradient of `_expected_log_joint` at the
+    smoother's statistics (computed from primal values: no autodiff through the
+    filter), so reverse mode transposes a linear map. Differentiating `g` again
+    (Hessians) goes through the smoother by plain autodiff.
+    """
+    params, static = eqx.partition(kf, eqx.is_inexact_array)
+    assoc = _uses_associative(kf.scan)
+
+    @jax.custom_jvp
+    def log_likelihood(params, ys, us):
+        return _filter(eqx.combine(params, static), ys, us).log_likelihood
+
+    @log_likelihood.defjvp
+    def log_likelihood_jvp(primals, tangents):
+        params, ys, us = primals
+        obs = ~jnp.isnan(ys)
+
+        def body(model, c, y, obs_, W, logdet, whiten):
+            sm = _smoothed(model, c, y, obs_, W, logdet, assoc)
+            stats = (sm.means, sm.covs, sm.cross_covs)
+            grads = jax.grad(_expected_log_joint, argnums=(0, 1, 2))(
+                params, ys, us, static, obs, stats, whiten
+            )
+            return sm.filtered.log_likelihood, grads
+
+        value, grads = _run(eqx.combine(params, static), ys, us, body)
+        dot = sum(
+            (
+                jnp.vdot(g, t)
+                for g, t in zip(jax.tree.leaves(grads), jax.tree.leaves(tangents))
+            ),
+            start=jnp.zeros((), value.dtype),
+        )
+        return value, dot
+
+    return log_likelihood(params, ys, us)
 
 
 def _check_matrix(name: str, x: Array, shape: tuple[int, ...]) -> None:
@@ -880,7 +1096,8 @@ class KalmanFilter(eqx.Module):
 
         A scalar. Per-step terms are `filter(ys).log_likelihoods`.
         """
-        return self.filter(ys, us=us).log_likelihood
+        ys, us = self._inputs(ys, us, "log_likelihood")
+        return _log_likelihood_jit(self, ys, us)
 
     def smooth(
         self,
@@ -962,7 +1179,12 @@ def _filter_jit(kf: KalmanFilter, ys: Array, us: Array | None) -> KalmanFilterRe
 
 @eqx.filter_jit
 def _smooth_jit(kf: KalmanFilter, ys: Array, us: Array | None) -> KalmanSmootherResult:
-    return _smooth(kf._model(), _filter(kf, ys, us), _uses_associative(kf.scan))
+    return _smooth(kf, ys, us)
+
+
+@eqx.filter_jit
+def _log_likelihood_jit(kf: KalmanFilter, ys: Array, us: Array | None) -> Array:
+    return _fisher_log_likelihood(kf, ys, us)
 
 
 @eqx.filter_jit
