@@ -431,57 +431,78 @@ def _smooth_associative(model: _Model, filtered: KalmanFilterResult):
     return KalmanSmootherResult(ms, Ps, cross, filtered)
 
 
+def _step_information(F: Array, Hw: Array, ks: Array, es: Array, ss: Array):
+    """Step `t`'s transition and scalar updates as one affine map of `(r, N)`.
+
+    Going back through update `j = p..1` maps `r -> h e / s + L_j^T r` and
+    `N -> h h^T / s + L_j^T N L_j` with `L_j = I - k_j h_j^T`, then through the
+    transition `r -> F^T r`, `N -> F^T N F`: together `r -> b + G^T r` and
+    `N -> J + G^T N G` with `G = L_p ... L_1 F`. Built with rank-one updates.
+    """
+    G = F
+    J = jnp.zeros(F.shape, F.dtype)
+    b = jnp.zeros(F.shape[:1], F.dtype)
+    for j in range(ks.shape[0]):
+        h, k, e, s = Hw[j], ks[j], es[j], ss[j]
+        g = jnp.sum(G * h[:, None], axis=0)  # (L_{j-1} ... L_1 F)^T h
+        J = J + g[:, None] * g[None, :] / s
+        b = b + g * (e / s)
+        G = G - k[:, None] * g[None, :]
+    return G, J, b
+
+
 def _smooth_sequential(model: _Model, filtered: KalmanFilterResult, recorded):
-    """The RTS smoother in Bryson-Frazier form, backwards over the scalar updates.
+    """The RTS smoother in Bryson-Frazier form: backwards in information form.
 
-    Koopman & Durbin (J. Time Series Analysis 2000): going back through step
-    `t`'s scalar updates `j = p..1` (gain `k_j`, innovation `e_j`, variance `s_j`,
-    whitened emission row `h_j`) accumulates `r = Cov^{-1}`-weighted innovations
-    and their information `N`:
-
-        r <- h e / s + (I - k h^T)^T r,   N <- h h^T / s + (I - k h^T)^T N (I - k h^T)
-
-    then `r <- F^T r`, `N <- F^T N F` into step `t - 1`. The smoothed moments are
-    `m_t + P_t r_t` and `P_t - P_t N_t P_t` from the *predicted* `(m_t, P_t)`,
-    and `Cov[x_t, x_{t+1}] = P^f_t F^T (I - N_{t+1} P_{t+1})`: no matrix is
-    inverted or factored (the classic RTS gain needs `P_{t+1}^{-1}` every step),
-    the loop body is rank-one updates, and everything else is batched.
+    Bierman, "Factorization Methods for Discrete Sequential Estimation" (1977);
+    Koopman & Durbin (J. Time Series Analysis 2000) for the scalar updates. The
+    smoothed moments are `m^f_t + P^f_t r_t` and `P^f_t (I - N_t P^f_t)` from the
+    *filtered* ones, where `(r_t, N_t)`, the information that `y_{t+1..T}` carry
+    about `x_t`, run backwards as `r <- b + G^T r`, `N <- J + G^T N G` with step
+    `t + 1`'s `(G, J, b)` from `_step_information`. Nothing is inverted or
+    factored (the classic RTS gain needs `P_{t+1}^{-1}` every step); the loop
+    body is two small matrix products and everything else is batched over `t`.
+    With `P^f_{t+1} = L_p ... L_1 P_{t+1}` (predicted `P_{t+1}`),
+    `Cov[x_t, x_{t+1}] = P^f_t G_{t+1}^T (I - N_{t+1} P^f_{t+1})`.
     """
     Hw, ks, es, ss = recorded
-    F_v = _per_step(model.F, 2)
-    H_v = Hw.ndim == 3
-    xs = {"k": ks, "e": es, "s": ss}
-    if H_v:
-        xs["h"] = Hw
-    if F_v:
-        xs["F"] = model.F
-
-    def step(carry, x):
-        r, N = carry
-        rows = x["h"] if H_v else Hw
-        for j in reversed(range(rows.shape[0])):
-            h, k, e, s = rows[j], x["k"][j], x["e"][j], x["s"][j]
-            v = _mv(N, k)
-            r = r + h * (e / s - jnp.sum(k * r))
-            hh = h[:, None] * h[None, :]
-            hv = h[:, None] * v[None, :]
-            N = N - hv - hv.T + (1 / s + jnp.sum(k * v)) * hh
-        F = x["F"] if F_v else model.F
-        r_prev = _mv(F.T, r)
-        N_prev = _sym(_mm(_mm(F.T, N), F))
-        return (r_prev, N_prev), (r, N)
-
-    n = filtered.means.shape[-1]
+    T, n = filtered.means.shape
     dtype = filtered.means.dtype
     init = (jnp.zeros((n,), dtype), jnp.zeros((n, n), dtype))
-    _, (r, N) = lax.scan(step, init, xs, reverse=True)
-    mp, Pp = filtered.predicted_means, filtered.predicted_covs
-    ms = mp + jnp.einsum("tij,tj->ti", Pp, r)
-    PpN = Pp @ N
-    Ps = _sym(Pp - PpN @ Pp)
-    F_next = model.F[1:] if F_v else model.F
-    PfFt = filtered.covs[:-1] @ _mT(F_next)  # P^f_t F_{t+1}^T
-    cross = PfFt - PfFt @ _mT(PpN[1:])  # (N P)^T = P N
+    if T == 1:
+        r, N = init[0][None], init[1][None]
+        G = jnp.zeros((0, n, n), dtype)
+    else:
+        in_axes = (
+            0 if _per_step(model.F, 2) else None,
+            0 if Hw.ndim == 3 else None,
+            0,
+            0,
+            0,
+        )
+        G, J, b = jax.vmap(_step_information, in_axes=in_axes)(
+            model.F[1:] if _per_step(model.F, 2) else model.F,
+            Hw[1:] if Hw.ndim == 3 else Hw,
+            ks[1:],
+            es[1:],
+            ss[1:],
+        )
+
+        def step(carry, x):
+            r, N = carry
+            G, J, b = x
+            return (b + _mv(G.T, r), _sym(J + _mm(_mm(G.T, N), G))), (r, N)
+
+        # steps T..2; the carry out of step 2 is step 1's (r, N)
+        (r1, N1), (r, N) = lax.scan(step, init, (G, J, b), reverse=True)
+        r = jnp.concatenate([r1[None], r])
+        N = jnp.concatenate([N1[None], N])
+    Pf = filtered.covs
+    ms = filtered.means + jnp.einsum("tij,tj->ti", Pf, r)
+    X = N @ Pf
+    Ps = _sym(Pf - Pf @ X)
+    PfGt = Pf[:-1] @ _mT(G)
+    cross = PfGt - PfGt @ X[1:]
     return KalmanSmootherResult(ms, Ps, cross, filtered)
 
 
