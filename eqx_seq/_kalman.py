@@ -410,7 +410,7 @@ def _smoother_elements(model: _Model, filtered: KalmanFilterResult):
         filtered.predicted_covs[1:],
         F_next,
     )
-    E = jnp.concatenate([E, jnp.zeros_like(E[:1])])
+    E = jnp.concatenate([E, jnp.zeros((1, *E.shape[1:]), E.dtype)])  # T = 1: E empty
     g = jnp.concatenate([g, ms[-1:]])
     L = jnp.concatenate([L, Ps[-1:]])
     return E, g, L
