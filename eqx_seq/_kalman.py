@@ -18,10 +18,17 @@ How it is computed (see `KalmanFilter` for the user-facing account):
   a fixed number of times and compile time stays flat in `T`),
   then the log-likelihood from the filtered states (never inside the scan element,
   which cancels catastrophically when the state drifts far from zero).
-- The RTS smoother's elements `(E_t, g_t, L_t)` depend on filtered moments only, so
-  they are computed for all steps at once; the smoother is then the affine
-  recurrence `(m, P) <- (E m + g, E P E^T + L)` run backwards, sequentially or as an
-  associative scan.
+- Smoother, `SequentialScan`: Bryson-Frazier form, backwards over the filter's
+  scalar updates in information form (`_smooth_sequential`): no matrix is
+  factored. `AssociativeScan`: the RTS elements `(E_t, g_t, L_t)`, which depend on
+  filtered moments only, computed for all steps at once, then the affine
+  recurrence `(m, P) <- (E m + g, E P E^T + L)` as an associative scan.
+- `KalmanFilter.log_likelihood` is differentiated by Fisher's identity,
+  `d/dθ log p(y) = E[d/dθ log p(x, y) | y]`: a `jax.custom_jvp` whose tangent is
+  the gradient of the expected complete-data log-likelihood at the smoother's
+  moments (`_expected_log_joint`, scan-free), so reverse mode costs one filter,
+  one smoother and a batched gradient, with no autodiff through the loop.
+  `KalmanFilter.filter` (and so the filtered means) is plain autodiff.
 """
 
 import math
@@ -768,7 +775,24 @@ class KalmanFilter(eqx.Module):
     **Numerics.** Observations are whitened by the Cholesky factor of `R` and
     conditioned on one entry at a time (no matrix solve in the sequential loop);
     covariances are symmetrised every step; all solves and log-determinants use
-    Cholesky factors. Gradients are JAX autodiff through the (small, fused) step.
+    Cholesky factors. The sequential smoother runs backwards in information form
+    (Bryson-Frazier), so it factors no matrix either.
+
+    **Gradients.** [`eqx_seq.KalmanFilter.log_likelihood`][] is differentiated by
+    Fisher's identity, `d/dθ log p(y | θ) = E[d/dθ log p(x, y | θ) | y]`: its
+    custom JVP is the gradient of the expected complete-data log-likelihood at the
+    smoother's means, covariances and lag-one cross-covariances (Shumway & Stoffer,
+    J. Time Series Analysis 1982; Segal & Weinstein, Proc. IEEE 1989). A gradient
+    costs a filter, a smoother and one batched, scan-free gradient (about 2-3x
+    the filter); forward mode, `jax.jacfwd` and Hessians work (second derivatives
+    go through the smoother by plain autodiff). It covers everything the
+    log-likelihood does (time-varying matrices, controls, missing entries, both
+    backends) and gives the gradient with respect to `ys` and `us` too. The
+    filtered means (`kf(ys)`, `kf.filter(ys)`) are not an expectation of a
+    complete-data quantity, so Fisher's identity does not apply to them: their
+    gradients, and that of `kf.filter(ys).log_likelihood`, are plain JAX autodiff
+    through the (small, fused, rematerialised) step, 3-10x slower than the
+    filter at `state_size = 16` (`benchmarks/README.md`).
 
     !!! Example
 
@@ -1116,6 +1140,11 @@ class KalmanFilter(eqx.Module):
         **Returns:**
 
         A scalar. Per-step terms are `filter(ys).log_likelihoods`.
+
+        Its derivatives come from Fisher's identity with the smoother's statistics
+        (see the class docstring): a gradient costs about one filter and one
+        smoother. `filter(ys).log_likelihood` is the same number with plain
+        autodiff through the filter.
         """
         ys, us = self._inputs(ys, us, "log_likelihood")
         return _log_likelihood_jit(self, ys, us)
@@ -1129,7 +1158,9 @@ class KalmanFilter(eqx.Module):
         """Smoothed moments (Rauch-Tung-Striebel).
 
         Rauch, Tung & Striebel, "Maximum likelihood estimates of linear dynamic
-        systems", AIAA Journal 1965; in parallel, Särkkä & García-Fernández 2021.
+        systems", AIAA Journal 1965; with `SequentialScan` in Bryson-Frazier
+        (information) form, Bierman 1977; in parallel, Särkkä & García-Fernández
+        2021.
 
         **Arguments:**
 
