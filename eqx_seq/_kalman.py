@@ -638,7 +638,7 @@ def _sum_tr(A: Array, X: Array, B: Array) -> Array:
     if A.ndim == 2 and B.ndim == 2:
         return jnp.sum((A @ jnp.sum(X, axis=0)) * B)
     T = X.shape[0]
-    return jnp.sum((_bt(A, T) @ X) * _bt(B, T))
+    return jnp.sum(_bmm(_bt(A, T), X) * _bt(B, T))
 
 
 def _expected_log_joint(params, ys, us, static, obs, stats, whiten) -> Array:

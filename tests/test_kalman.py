@@ -516,7 +516,7 @@ def test_bench_kalman_quick(tmp_path):
         [sys.executable, "benchmarks/bench_kalman.py", "--quick", "--repeats", "1",
          "--json", str(tmp_path / "k.json")],
         cwd=root, capture_output=True, text=True, timeout=900,
-        env={**os.environ, "JAX_PLATFORMS": "cpu"},
+        env={**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": root},
     )  # fmt: skip
     assert out.returncode == 0, out.stdout + out.stderr
     assert "seq filter" in out.stdout and (tmp_path / "k.json").exists()
