@@ -807,16 +807,16 @@ class KalmanFilter(eqx.Module):
     custom JVP is the gradient of the expected complete-data log-likelihood at the
     smoother's means, covariances and lag-one cross-covariances (Shumway & Stoffer,
     J. Time Series Analysis 1982; Segal & Weinstein, Proc. IEEE 1989). A gradient
-    costs a filter, a smoother and one batched, scan-free gradient (about 2-3x
-    the filter); forward mode, `jax.jacfwd` and Hessians work (second derivatives
-    go through the smoother by plain autodiff). It covers everything the
+    costs a filter, a smoother and one batched, scan-free gradient (measured
+    1.2-2.6x the filter); forward mode, `jax.jacfwd` and Hessians work (second
+    derivatives go through the smoother by plain autodiff). It covers everything the
     log-likelihood does (time-varying matrices, controls, missing entries, both
     backends) and gives the gradient with respect to `ys` and `us` too. The
     filtered means (`kf(ys)`, `kf.filter(ys)`) are not an expectation of a
     complete-data quantity, so Fisher's identity does not apply to them: their
     gradients, and that of `kf.filter(ys).log_likelihood`, are plain JAX autodiff
-    through the (small, fused, rematerialised) step, 3-10x slower than the
-    filter at `state_size = 16` (`benchmarks/README.md`).
+    through the (small, fused, rematerialised) step: about 3x the filter at
+    `state_size = 4`, 8-10x at 16 (`benchmarks/README.md`).
 
     !!! Example
 
