@@ -10,7 +10,8 @@ float32, one sequence, constant model; state 4 / obs 2 and state 16 / obs 8; T i
   fwd" is divided by our own forward filter), and dynamax's (autodiff through
   its filter); "seq grad (plain AD)": ours by plain autodiff through our filter
   (`kf.filter(ys).log_likelihood`), for comparison;
-- "seq smoother": our RTS smoother and dynamax's `lgssm_smoother`;
+- "seq smoother": our RTS smoother (Bryson-Frazier form) and dynamax's
+  `lgssm_smoother`;
 - "par filter": our parallel (Särkkä & García-Fernández) filter, compile time
   reported; its scan is `eqx_seq._level_scan.level_scan` (levels as a loop).
   "par (lax.assoc)" is the same filter with `lax.associative_scan` swapped in,
