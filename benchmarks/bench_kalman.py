@@ -5,9 +5,13 @@ float32, one sequence, constant model; state 4 / obs 2 and state 16 / obs 8; T i
 
 - "seq filter": our sequential filter (means, covariances, log-likelihood), and
   dynamax's `lgssm_filter` (the anchor of the "x dynamax" column);
-- "seq grad": `jax.grad` of the log-likelihood w.r.t. all parameters ("x fwd" is
-  divided by our own forward filter), and dynamax's;
-- "seq smoother": our RTS smoother and dynamax's `lgssm_smoother`;
+- "seq grad": `jax.grad` of `kf.log_likelihood` w.r.t. all parameters, which
+  goes through Fisher's identity (filter + smoother + a scan-free gradient; "x
+  fwd" is divided by our own forward filter), and dynamax's (autodiff through
+  its filter); "seq grad (plain AD)": ours by plain autodiff through our filter
+  (`kf.filter(ys).log_likelihood`), for comparison;
+- "seq smoother": our RTS smoother (Bryson-Frazier form) and dynamax's
+  `lgssm_smoother`;
 - "par filter": our parallel (Särkkä & García-Fernández) filter, compile time
   reported; its scan is `eqx_seq._level_scan.level_scan` (levels as a loop).
   "par (lax.assoc)" is the same filter with `lax.associative_scan` swapped in,
@@ -62,9 +66,11 @@ def programs(n, p, T):
     kf = model(n, p, eqx_seq.SequentialScan())
     _, ys = kf.sample(jr.key(1), T)
     ll = lambda kf, ys: kf.log_likelihood(ys)
+    plain = lambda kf, ys: kf.filter(ys).log_likelihood
     progs = {
         "ours: seq filter": (eqx.filter_jit(lambda kf, ys: kf.filter(ys)), (kf, ys)),
         "ours: seq grad": (eqx.filter_jit(eqx.filter_grad(ll)), (kf, ys)),
+        "ours: seq grad (plain AD)": (eqx.filter_jit(eqx.filter_grad(plain)), (kf, ys)),
         "ours: seq smoother": (
             eqx.filter_jit(lambda kf, ys: kf.smooth(ys).means),
             (kf, ys),
@@ -157,7 +163,7 @@ def main():
     lengths = [1000] if args.quick else [1000, 10_000, 100_000]
     payload = {"machine": info, "dtype": "float32", "runs": {}}
     header = (
-        f"{'n/p':>5s} {'T':>7s} {'method':24s} {'ms':>9s} {'x fwd':>6s} "
+        f"{'n/p':>5s} {'T':>7s} {'method':26s} {'ms':>9s} {'x fwd':>6s} "
         f"{'x dynamax':>9s} {'compile s':>9s}"
     )
     print("\n" + header)
@@ -176,7 +182,7 @@ def main():
                     else ""
                 )
                 print(
-                    f"{n:>2d}/{p:<2d} {T:>7d} {name:24s} {r['median_ms']:9.2f} "
+                    f"{n:>2d}/{p:<2d} {T:>7d} {name:26s} {r['median_ms']:9.2f} "
                     f"{r['median_ms'] / fwd:6.2f} {xd:>9s} {r['first_call_s']:9.2f}"
                 )
             pars = {}
@@ -189,14 +195,14 @@ def main():
                 pars[label] = par
                 if "median_ms" in par:
                     print(
-                        f"{n:>2d}/{p:<2d} {T:>7d} {'ours: ' + label:24s} "
+                        f"{n:>2d}/{p:<2d} {T:>7d} {'ours: ' + label:26s} "
                         f"{par['median_ms']:9.2f} {par['median_ms'] / fwd:6.2f} "
                         f"{'':>9s} {par['compile_s']:9.2f}   "
                         f"(loglik vs seq: {par['loglik_rel_diff_vs_seq']:.1e} rel)"
                     )
                 else:
                     print(
-                        f"{n:>2d}/{p:<2d} {T:>7d} {'ours: ' + label:24s} "
+                        f"{n:>2d}/{p:<2d} {T:>7d} {'ours: ' + label:26s} "
                         f"{par['status']}"
                     )
             ll = ", ".join(f"{k} {v:.6g}" for k, v in check.items())
