@@ -332,9 +332,18 @@ def dense_solve(lower, diag, upper, rhs, axis):
     "shapes,axis,complex_,second_order",
     [
         ([(6, 7)] * 4, 0, False, True),  # time-major, blocks of 3 systems + 1
-        ([(6, 1), (6, 1), (6, 1), (6, 7)], 0, False, False),  # shared diagonals
+        pytest.param(
+            [(6, 1), (6, 1), (6, 1), (6, 7)], 0, False, False, marks=pytest.mark.slow
+        ),  # shared diagonals (also in test_blocked_sweeps_match_scipy)
         ([(7, 6)] * 4, 1, True, False),  # systems on the leading axis: tiles
-        ([(3, 6, 1), (1, 6, 2), (3, 6, 2), (3, 6, 2)], 1, False, True),
+        ([(3, 6, 1), (1, 6, 2), (3, 6, 2), (3, 6, 2)], 1, False, False),
+        pytest.param(
+            [(3, 6, 1), (1, 6, 2), (3, 6, 2), (3, 6, 2)],
+            1,
+            False,
+            True,
+            marks=pytest.mark.slow,
+        ),  # second order on tiles with broadcast diagonals
     ],
 )
 def test_factored_derivatives_in_blocks(
