@@ -14,8 +14,8 @@ How it is computed (see `KalmanFilter` for the user-facing account):
   masked out of the log-likelihood; the masked `R_t` is then factored per step.
 - `SequentialScan`: the standard filter in a `lax.scan`. `AssociativeScan`: the
   Särkkä & García-Fernández (IEEE TAC 2021) elements in an associative scan
-  (`_level_scan.level_scan`: its levels are a loop, so the heavy combine is traced
-  a fixed number of times and compile time stays flat in `T`),
+  (`_level_scan.level_scan`: all its stages are one loop, so the heavy combine is
+  traced once and compile time stays flat in `T`),
   then the log-likelihood from the filtered states (never inside the scan element,
   which cancels catastrophically when the state drifts far from zero).
 - Smoother, `SequentialScan`: Bryson-Frazier form, backwards over the filter's
@@ -787,8 +787,8 @@ class KalmanFilter(eqx.Module):
     the parallel filter and smoother of Särkkä & García-Fernández, "Temporal
     Parallelization of Bayesian Smoothers", IEEE TAC 2021, in an associative scan
     whose levels are a loop (`O(log T)` depth, about 3-5x the work: for
-    accelerators; unlike `jax.lax.associative_scan`, the combine is traced a
-    fixed number of times, so compiling takes seconds, not tens of seconds, at
+    accelerators; unlike `jax.lax.associative_scan`, the combine is traced
+    once, so compiling takes seconds, not tens of seconds, at
     `T = 10^4`). The backend object only *selects* the algorithm: the Kalman
     recursions are not diagonal recurrences, so this layer runs its own scans.
     Other `AbstractScan` subclasses select the sequential filter. Both give the

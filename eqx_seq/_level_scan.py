@@ -1,24 +1,25 @@
-"""An associative scan whose operator appears a fixed number of times in the program.
+"""An associative scan whose operator appears once in the program.
 
 `jax.lax.associative_scan` unrolls its `O(log T)` levels in Python, and each level
 traces the operator again on arrays of a different length: for a heavy operator
 (the Kalman filter's, with Cholesky solves) the program grows with `log T` and took
-tens of seconds to compile at `T = 10^4` on CPU. Here the levels are a loop:
+tens of seconds to compile at `T = 10^4` on CPU. Here the sequence is cut into
+`B = T / K` blocks of `K` steps (padded with copies of the last element) and the
+scan runs in three phases, every stage of which applies the operator to one batch
+of `B` elements:
 
-1. the sequence is cut into `T / K` blocks of `K` steps (padded with copies of the
-   last element), and every block is scanned sequentially, all blocks at once:
-   one `lax.scan` of `K - 1` steps whose body applies the operator to a batch of
-   `T / K` elements;
+1. every block is scanned sequentially, all blocks at once (`K - 1` stages: step `k`
+   of every block absorbs step `k - 1`);
 2. the block totals are scanned by Hillis & Steele's doubling ("Data parallel
-   algorithms", CACM 1986): at level `k` element `i` absorbs element `i - 2^k`;
-   the levels are one `lax.scan` over the shifts `2^k`;
-3. every element of block `b > 0` absorbs the total of blocks `0..b-1`: one batched
-   application.
+   algorithms", CACM 1986): at level `l` total `b` absorbs total `b - 2^l`
+   (`ceil(log2 B)` stages);
+3. every step of block `b > 0` absorbs the total of blocks `0..b-1` (`K` stages).
 
-So the operator is traced three times whatever `T` is, and the work is about
-`2 T + (T / K) log2(T / K)` applications, at a depth of `K + log2(T / K) + 1`
-sequential applications (`lax.associative_scan`: about `2 T` and `2 log2 T`).
-All loops have static trip counts, so reverse-mode autodiff works.
+All stages are one `lax.scan` whose body gathers its two operands by the stage's
+indices, so the operator is traced once whatever `T` is. The work is about
+`2 T + B log2 B` applications at a depth of `2 K + log2 B` stages
+(`lax.associative_scan`: about `2 T` at a depth of `2 log2 T`). The loop has a
+static trip count, so reverse-mode autodiff works.
 """
 
 import math
@@ -28,6 +29,7 @@ from typing import Any
 import jax
 import jax.lax as lax
 import jax.numpy as jnp
+import numpy as np
 
 
 def default_block_size(num_steps: int) -> int:
@@ -35,28 +37,15 @@ def default_block_size(num_steps: int) -> int:
     return max(1, math.ceil(math.log2(max(num_steps, 2))))
 
 
-def _doubling_scan(fn: Callable, elems: Any, n: int) -> Any:
-    """Inclusive scan of `n` elements by Hillis-Steele doubling, the levels a loop."""
-    if n == 1:
-        return elems
-    num_levels = math.ceil(math.log2(n))
-    shifts = 2 ** jnp.arange(num_levels)
-    idx = jnp.arange(n, dtype=shifts.dtype)
-
-    def level(x, shift):
-        keep = idx < shift  # these already hold their full prefix
-        src = jnp.where(keep, 0, idx - shift)
-        prev = jax.tree.map(lambda a: jnp.take(a, src, axis=0), x)
-        new = fn(prev, x)
-        x = jax.tree.map(
-            lambda a, b: jnp.where(keep.reshape(-1, *([1] * (a.ndim - 1))), a, b),
-            x,
-            new,
-        )
-        return x, None
-
-    x, _ = lax.scan(level, elems, shifts)
-    return x
+def _stages(K: int, nb: int) -> tuple[Any, ...]:
+    """Per stage: the phase (1, 2, 3, see the module doc), the row of the blocks that
+    it reads on the right and writes (phase 2: the scratch row `K`), and the shift
+    of the totals it reads on the left (phase 1: 0, the running prefix itself)."""
+    rows = [(1, k, 0) for k in range(1, K)]
+    if nb > 1:
+        rows += [(2, K, 2**lvl) for lvl in range(math.ceil(math.log2(nb)))]
+        rows += [(3, k, 1) for k in range(K)]
+    return tuple(np.asarray(col, np.int32) for col in zip(*rows))
 
 
 def level_scan(
@@ -102,40 +91,44 @@ def level_scan(
     pad = nb * K - T
 
     def to_blocks(x):
+        # (K + 1, nb, ...): row k holds step k of every block; row K is scratch,
+        # written by the stages that only update the totals
         if pad:
             x = jnp.concatenate([x, jnp.broadcast_to(x[-1:], (pad, *x.shape[1:]))])
-        return x.reshape(nb, K, *x.shape[1:])
+        x = jnp.swapaxes(x.reshape(nb, K, *x.shape[1:]), 0, 1)
+        return jnp.concatenate([x, x[-1:]])
 
+    if nb * K == 1:
+        return elems
     blocks = jax.tree.map(to_blocks, elems)
-    # 1. every block scanned sequentially, all blocks at once
-    if K > 1:
-        first = jax.tree.map(lambda x: x[:, 0], blocks)
-        rest = jax.tree.map(lambda x: jnp.moveaxis(x[:, 1:], 1, 0), blocks)
+    b_idx = jnp.arange(nb, dtype=np.int32)
 
-        def step(carry, x):
-            carry = fn(carry, x)
-            return carry, carry
+    def where(c, x, y):
+        expand = lambda a: c.reshape(c.shape + (1,) * (a.ndim - c.ndim))
+        return jax.tree.map(lambda a, b: jnp.where(expand(a), a, b), x, y)
 
-        _, scanned = lax.scan(step, first, rest)
+    def stage(carry, s):
+        # `totals` is the running prefix of every block during phase 1, then the
+        # block totals (phase 2 scans them; phase 3 reads them)
+        blocks, totals = carry
+        phase, row, shift = s
+        left = jax.tree.map(
+            lambda x: jnp.take(x, jnp.maximum(b_idx - shift, 0), axis=0), totals
+        )
+        right = where(
+            phase == 2,
+            totals,
+            jax.tree.map(lambda x: lax.dynamic_index_in_dim(x, row, 0, False), blocks),
+        )
+        new = where(b_idx >= shift, fn(left, right), right)
+        totals = where(phase == 3, totals, new)
         blocks = jax.tree.map(
-            lambda f, s: jnp.concatenate([f[:, None], jnp.moveaxis(s, 0, 1)], axis=1),
-            first,
-            scanned,
+            lambda x, v: lax.dynamic_update_index_in_dim(x, v, row, 0), blocks, new
         )
-    if nb > 1:
-        # 2. the block totals by doubling
-        totals = _doubling_scan(fn, jax.tree.map(lambda x: x[:, -1], blocks), nb)
-        # 3. blocks 1.. absorb the totals of the blocks before them
-        before = jax.tree.map(
-            lambda t: jnp.broadcast_to(t[:-1, None], (nb - 1, K, *t.shape[1:])), totals
-        )
-        flat = lambda x: x.reshape((nb - 1) * K, *x.shape[2:])
-        later = fn(
-            jax.tree.map(flat, before), jax.tree.map(lambda x: flat(x[1:]), blocks)
-        )
-        blocks = jax.tree.map(
-            lambda b, c: jnp.concatenate([b[:1], c.reshape(nb - 1, K, *c.shape[1:])]),
-            blocks,
-            later,
-        )
-    return jax.tree.map(lambda x: x.reshape(nb * K, *x.shape[2:])[:T], blocks)
+        return (blocks, totals), None
+
+    first = jax.tree.map(lambda x: x[0], blocks)
+    (blocks, _), _ = lax.scan(stage, (blocks, first), _stages(K, nb))
+    return jax.tree.map(
+        lambda x: jnp.swapaxes(x[:K], 0, 1).reshape(nb * K, *x.shape[2:])[:T], blocks
+    )

@@ -71,6 +71,20 @@ def test_gradient_matches_lax():
         np.testing.assert_allclose(o, r, rtol=1e-11, atol=1e-13)
 
 
+@pytest.mark.parametrize("T,block_size", [(13, 3), (13, 1), (100, None)])
+def test_operator_is_traced_once(T, block_size):
+    """All stages are one loop: the program holds one copy of the operator."""
+    calls = []
+
+    def counted(earlier, later):
+        calls.append(1)
+        return affine(earlier, later)
+
+    A, b = jnp.ones((T, 2, 2)) / 2, jnp.ones((T, 2))
+    jax.jit(lambda A, b: level_scan(counted, (A, b), block_size=block_size)).lower(A, b)
+    assert len(calls) == 1
+
+
 def test_kalman_elements_match_lax():
     """The Kalman filter's combine (Cholesky solves inside) on its real elements."""
     import jax.random as jr
