@@ -5,6 +5,7 @@ inputs of several shapes and dtypes; a wrong annotation makes the call fail here
 """
 
 import beartype
+import equinox as eqx
 import jax.numpy as jnp
 import jax.random as jr
 import numpy as np
@@ -16,6 +17,12 @@ import eqx_seq
 
 def checked(fn):
     return jaxtyped(typechecker=beartype.beartype)(fn)
+
+
+def checked_jit(fn):
+    """`checked` under `eqx.filter_jit`: the same checks, on tracers of the same
+    shapes and dtypes, for one compile instead of many op-by-op dispatches."""
+    return eqx.filter_jit(checked(fn))
 
 
 INPUTS = [
@@ -49,13 +56,14 @@ def test_scan_annotations(scan):
 
 
 def test_annotations_reject_wrong_shapes():
-    # the checker is live: a return-shape mismatch against `b` would be caught
-    @checked
+    # the checker is live, eagerly and under `checked_jit` (on tracers): a
+    # return-shape mismatch against `b` is caught
     def bad(b: Inexact[Array, " T *S"]) -> Inexact[Array, " T *S"]:
         return b[1:]
 
-    with pytest.raises(TypeCheckError, match="return value"):
-        bad(jnp.ones((3, 2)))
+    for wrap in (checked, checked_jit):
+        with pytest.raises(TypeCheckError, match="return value"):
+            wrap(bad)(jnp.ones((3, 2)))
 
 
 @pytest.mark.parametrize("shape", [(), (4,), (2, 3)])
@@ -80,16 +88,16 @@ def test_ssm_annotations(kind):
     cls = type(layer)
     u = jnp.ones((6, 3), jnp.float32)
     dt = jnp.ones(6, jnp.float32) if kind == "s5" else None
-    assert checked(cls.__call__)(layer, u, dt=dt).shape == (6, 3)
-    state = checked(cls.init_state)(layer)
-    state = checked(cls.final_state)(layer, u, dt=dt, h0=state)
-    state, y = checked(cls.step)(layer, state, u[0])
+    assert checked_jit(cls.__call__)(layer, u, dt=dt).shape == (6, 3)
+    state = checked_jit(cls.init_state)(layer)
+    state = checked_jit(cls.final_state)(layer, u, dt=dt, h0=state)
+    state, y = checked_jit(cls.step)(layer, state, u[0])
     assert state.shape == (4,) and y.shape == (3,)
-    jac = checked(cls.parameter_jacobians)(layer, u, dt=dt)
+    jac = checked_jit(cls.parameter_jacobians)(layer, u, dt=dt)
     assert jac.wrt_B.shape == (6, 4, 3)
     block = eqx_seq.S5Block(layer, key=jr.key(1))
-    assert checked(eqx_seq.S5Block.__call__)(block, u).shape == (6, 3)
-    state, y = checked(eqx_seq.S5Block.step)(block, block.init_state(), u[0])
+    assert checked_jit(eqx_seq.S5Block.__call__)(block, u).shape == (6, 3)
+    state, y = checked_jit(eqx_seq.S5Block.step)(block, block.init_state(), u[0])
     assert y.shape == (3,)
     labels = checked(eqx_seq.ssm_param_labels)(block)
     assert labels.ssm.B == "ssm"
@@ -126,14 +134,14 @@ def test_kalman_annotations(missing):
     ys = jnp.ones((5, 2))
     ys = ys.at[1, 0].set(jnp.nan) if missing else ys
     us = jnp.ones((5, 1))
-    assert checked(type(kf).__call__)(kf, ys, us=us).shape == (5, 3)
-    out = checked(type(kf).filter)(kf, ys, us=us)
+    assert checked_jit(type(kf).__call__)(kf, ys, us=us).shape == (5, 3)
+    out = checked_jit(type(kf).filter)(kf, ys, us=us)
     assert out.covs.shape == (5, 3, 3) and out.log_likelihood.shape == ()
-    assert checked(type(kf).log_likelihood)(kf, ys, us=us).shape == ()
-    assert checked(type(kf).smooth)(kf, ys, us=us).cross_covs.shape == (4, 3, 3)
-    xs, obs = checked(type(kf).sample)(kf, jr.key(1), 5, us=us)
+    assert checked_jit(type(kf).log_likelihood)(kf, ys, us=us).shape == ()
+    assert checked_jit(type(kf).smooth)(kf, ys, us=us).cross_covs.shape == (4, 3, 3)
+    xs, obs = checked_jit(type(kf).sample)(kf, jr.key(1), 5, us=us)
     assert xs.shape == (5, 3) and obs.shape == (5, 2)
-    made = checked(eqx_seq.KalmanFilter.from_matrices)(
+    made = checked_jit(eqx_seq.KalmanFilter.from_matrices)(
         kf.F, kf.H, kf.Q, kf.R, kf.m0, kf.P0, B=kf.B, D=kf.D
     )
     assert made.control_size == 1
@@ -146,14 +154,14 @@ def test_model_annotations():
     clf = eqx_seq.SequenceClassifier(
         2, 3, width=4, depth=1, state_size=4, key=jr.key(0)
     )
-    assert checked(type(clf).__call__)(clf, x, mask=jnp.ones(6, bool)).shape == (3,)
+    assert checked_jit(type(clf).__call__)(clf, x, mask=jnp.ones(6, bool)).shape == (3,)
     den = eqx_seq.DenoisingClassifier(2, 3, width=4, depth=1, key=jr.key(0))
-    assert checked(type(den).__call__)(den, x).shape == (3,)
-    assert checked(type(den).features)(den, x).shape == (6, 4)
+    assert checked_jit(type(den).__call__)(den, x).shape == (3,)
+    assert checked_jit(type(den).features)(den, x).shape == (6, 4)
     lm = eqx_seq.LanguageModel(7, width=4, depth=1, state_size=4, key=jr.key(0))
     ids = jnp.arange(5)
-    assert checked(type(lm).__call__)(lm, ids).shape == (5, 7)
-    state, logits = checked(type(lm).step)(lm, lm.init_state(), ids[0])
+    assert checked_jit(type(lm).__call__)(lm, ids).shape == (5, 7)
+    state, logits = checked_jit(type(lm).step)(lm, lm.init_state(), ids[0])
     assert logits.shape == (7,)
-    out = checked(type(lm).generate)(lm, ids, 3, key=jr.key(1))
+    out = checked_jit(type(lm).generate)(lm, ids, 3, key=jr.key(1))
     assert out.shape == (3,)
