@@ -59,7 +59,9 @@ def level_scan(
         pytrees whose leaves have the same leading (batch) length and returns one
         like them, combining `a` (earlier; later when `reverse`) with `b`, as for
         `lax.associative_scan`. It is applied to valid elements only (padding
-        repeats the last element), so it need not handle dummy inputs.
+        repeats the last element), so it need not handle dummy inputs; lanes
+        whose result is discarded combine valid elements too (the first block's
+        total with another total or step).
     - `elems`: a pytree of arrays sharing the leading (time) length `T >= 1`.
     - `reverse`: scan from the end, with `lax.associative_scan`'s convention
         (`fn` then receives the element later in time first).
@@ -89,6 +91,8 @@ def level_scan(
     K = min(K, T)
     nb = -(-T // K)
     pad = nb * K - T
+    if nb * K == 1:
+        return elems
 
     def to_blocks(x):
         # (K + 1, nb, ...): row k holds step k of every block; row K is scratch,
@@ -98,8 +102,6 @@ def level_scan(
         x = jnp.swapaxes(x.reshape(nb, K, *x.shape[1:]), 0, 1)
         return jnp.concatenate([x, x[-1:]])
 
-    if nb * K == 1:
-        return elems
     blocks = jax.tree.map(to_blocks, elems)
     b_idx = jnp.arange(nb, dtype=np.int32)
 
