@@ -1007,7 +1007,7 @@ class KalmanFilter(eqx.Module):
             raise ValueError(
                 f"Time-varying matrices must share one length T, got {lengths}."
             )
-        factors = {k: _spd_factor(k, a[k]) for k in ("Q", "R", "P0")}
+        raw = {k: _checked_raw_factor(k, a[k]) for k in ("Q", "R", "P0")}
         self = object.__new__(cls)
         fields = dict(
             F=F,
@@ -1015,9 +1015,9 @@ class KalmanFilter(eqx.Module):
             B=a["B"],
             D=a["D"],
             m0=a["m0"],
-            Q_factor=_unfactor(factors["Q"]),
-            R_factor=_unfactor(factors["R"]),
-            P0_factor=_unfactor(factors["P0"]),
+            Q_factor=raw["Q"],
+            R_factor=raw["R"],
+            P0_factor=raw["P0"],
             scan=scan,
             state_size=n,
             obs_size=p,
@@ -1246,6 +1246,15 @@ def _spd_factor(name: str, A: Array) -> Array:
         f"eqx_seq.KalmanFilter.from_matrices: `{name}` must be symmetric positive "
         "definite.",
     )
+
+
+# One compiled program per shape (`eqx.filter_jit`, so that a failed check raises
+# Equinox's readable error): run op by op, the dozen small operations of the check
+# and the factorisation were compiled one at a time, seconds per new shape.
+@eqx.filter_jit
+def _checked_raw_factor(name: str, A: Array) -> Array:
+    """The unconstrained parameter (`_unfactor`) of a checked covariance `A`."""
+    return _unfactor(_spd_factor(name, A))
 
 
 @eqx.filter_jit

@@ -1,5 +1,7 @@
 """eqx_seq.KalmanFilter against a textbook float64 NumPy filter and RTS smoother."""
 
+import functools as ft
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -259,6 +261,7 @@ def test_gradient_matches_finite_differences(backend, name):
     obs = ~np.isnan(ys)
     w = np.random.default_rng(1).normal(size=(ys.shape[0], 3)) / ys.shape[0]
 
+    @ft.partial(jax.jit, static_argnames="fisher")
     def loss(params, ys, us, fisher=True):
         kf = eqx.combine(params, static)
         out = kf.filter(ys, us=us)
