@@ -42,6 +42,7 @@ import jax.random as jr
 import jax.scipy.linalg as jsl
 from jaxtyping import Array, ArrayLike, Float, PRNGKeyArray
 
+from . import _small_linalg as small_linalg
 from ._level_scan import level_scan
 from ._misc import check_positive_int
 from ._scan import AbstractScan, AssociativeScan, AutoScan
@@ -180,10 +181,11 @@ def _whiten(L_R: Array, obs: Array, R_varies: bool) -> tuple[Array, Array]:
     both = obs[:, :, None] & obs[:, None, :]
     eye = jnp.broadcast_to(jnp.eye(p, dtype=bool), (T, p, p))
     R = jnp.where(both, R, jnp.where(eye, jnp.ones((), dtype), 0))
-    L = jnp.linalg.cholesky(R)
-    W = jsl.solve_triangular(L, _eye_like(L), lower=True)
+    # a factorisation per step, not batched LAPACK, which can deadlock (see
+    # `_small_linalg`)
+    W = small_linalg.inverse_cholesky(R)
+    logdet = -jnp.sum(jnp.log(jnp.diagonal(W, axis1=-2, axis2=-1)), axis=-1)
     W = jnp.where(obs[:, None, :], W, 0)
-    logdet = jnp.sum(jnp.log(jnp.diagonal(L, axis1=-2, axis2=-1)), axis=-1)
     return W, logdet
 
 

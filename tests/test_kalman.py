@@ -523,3 +523,34 @@ def test_bench_kalman_quick(tmp_path):
     )  # fmt: skip
     assert out.returncode == 0, out.stdout + out.stderr
     assert "seq filter" in out.stdout and (tmp_path / "k.json").exists()
+
+
+def test_gradient_with_missing_data_does_not_hang():
+    """Regression: with missing observations the per-step whitening factored a
+    Cholesky per step with batched LAPACK; two such calls scheduled at once by
+    XLA:CPU deadlocked on a 2-core machine (state 16 / obs 8, T = 2000-10000, most
+    runs). `_small_linalg` replaced them. Run in a subprocess so that a hang fails
+    the test instead of stalling the worker."""
+    import os
+    import subprocess
+    import sys
+
+    script = (
+        "import jax, jax.numpy as jnp, jax.random as jr, equinox as eqx, eqx_seq\n"
+        "kf = eqx_seq.KalmanFilter(16, 8, scan=eqx_seq.SequentialScan(), key=jr.key(0))\n"
+        "_, ys = kf.sample(jr.key(1), 3000)\n"
+        "ys = ys.at[5, 0].set(jnp.nan)\n"
+        "grad = eqx.filter_jit(eqx.filter_grad(lambda kf: kf.log_likelihood(ys)))\n"
+        "for _ in range(5):\n"
+        "    g = jax.block_until_ready(grad(kf))\n"
+        "ok = all(bool(jnp.all(jnp.isfinite(x))) for x in jax.tree.leaves(g))\n"
+        "print('finite' if ok else 'not finite')\n"
+    )
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = subprocess.run(
+        [sys.executable, "-c", script],
+        cwd=root, capture_output=True, text=True, timeout=240,
+        env={**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": root},
+    )  # fmt: skip
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert out.stdout.strip().endswith("finite") and "not" not in out.stdout

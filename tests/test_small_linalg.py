@@ -1,0 +1,81 @@
+"""The LAPACK-free small-matrix factorisations against NumPy (float64)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from eqx_seq import _small_linalg as small_linalg
+
+
+@pytest.mark.parametrize("n", [1, 2, 5, 8])
+def test_cholesky_and_inverse_match_numpy(n):
+    rng = np.random.default_rng(n)
+    X = rng.normal(size=(3, 4, n, n))
+    A = X @ np.swapaxes(X, -1, -2) + n * np.eye(n)
+    L = small_linalg.cholesky(jnp.asarray(A))
+    np.testing.assert_allclose(L, np.linalg.cholesky(A), rtol=1e-12, atol=1e-12)
+    W = small_linalg.tril_inverse(L)
+    np.testing.assert_allclose(W, np.linalg.inv(np.linalg.cholesky(A)), rtol=1e-10)
+    # the upper triangle of the input is not read
+    upper = np.triu(rng.normal(size=(n, n)), 1)
+    np.testing.assert_array_equal(small_linalg.cholesky(jnp.asarray(A + upper)), L)
+
+
+def test_gradient_matches_lapack_on_symmetric_inputs():
+    # through a symmetric construction (as in the Kalman whitening), the gradient
+    # equals the one through jnp.linalg.cholesky / solve_triangular
+    rng = np.random.default_rng(0)
+    B = jnp.asarray(rng.normal(size=(6, 5, 5)))
+
+    def via(chol, inv):
+        def f(B):
+            A = B @ jnp.swapaxes(B, -1, -2) + 5 * jnp.eye(5)[None]
+            return jnp.sum(jnp.sin(inv(chol(A))))
+
+        return jax.grad(f)(B)
+
+    eye = jnp.broadcast_to(jnp.eye(5), (6, 5, 5))
+    ref = via(
+        jnp.linalg.cholesky,
+        lambda L: jax.scipy.linalg.solve_triangular(L, eye, lower=True),
+    )
+    unrolled = via(small_linalg.cholesky, small_linalg.tril_inverse)
+    ruled = via(lambda A: A, small_linalg.inverse_cholesky)  # its own JVP rule
+    np.testing.assert_allclose(unrolled, ref, rtol=1e-10, atol=1e-12)
+    np.testing.assert_allclose(ruled, ref, rtol=1e-10, atol=1e-12)
+
+
+def test_inverse_cholesky_rule_matches_finite_differences():
+    # forward mode on a symmetric direction, and the lower triangle only is read
+    rng = np.random.default_rng(1)
+    X = rng.normal(size=(4, 6, 6))
+    A = jnp.asarray(X @ np.swapaxes(X, -1, -2) + 6 * np.eye(6))
+    D = rng.normal(size=(4, 6, 6))
+    D = jnp.asarray(D + np.swapaxes(D, -1, -2))
+    _, tangent = jax.jvp(small_linalg.inverse_cholesky, (A,), (D,))
+    eps = 1e-6
+    fd = (
+        small_linalg.inverse_cholesky(A + eps * D)
+        - small_linalg.inverse_cholesky(A - eps * D)
+    ) / (2 * eps)
+    np.testing.assert_allclose(tangent, fd, rtol=1e-6, atol=1e-8)
+    np.testing.assert_allclose(
+        small_linalg.inverse_cholesky(A),
+        np.linalg.inv(np.linalg.cholesky(np.asarray(A))),
+        rtol=1e-10,
+    )
+
+
+@pytest.mark.parametrize("n", [2, 17])  # entrywise, and by columns (n > 16)
+def test_not_positive_definite_gives_nan(n):
+    A = jnp.eye(n).at[0, 1].set(2.0).at[1, 0].set(2.0)[None]
+    assert np.isnan(np.asarray(small_linalg.cholesky(A))).any()
+
+
+def test_by_columns_beyond_the_entrywise_size():
+    rng = np.random.default_rng(3)
+    X = rng.normal(size=(2, 20, 20))
+    A = X @ np.swapaxes(X, -1, -2) + 20 * np.eye(20)
+    W = small_linalg.inverse_cholesky(jnp.asarray(A))
+    np.testing.assert_allclose(W, np.linalg.inv(np.linalg.cholesky(A)), rtol=1e-9)
