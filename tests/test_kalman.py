@@ -537,7 +537,8 @@ def test_gradient_with_missing_data_does_not_hang():
 
     script = (
         "import jax, jax.numpy as jnp, jax.random as jr, equinox as eqx, eqx_seq\n"
-        "kf = eqx_seq.KalmanFilter(16, 8, scan=eqx_seq.SequentialScan(), key=jr.key(0))\n"
+        "scan = eqx_seq.SequentialScan()\n"
+        "kf = eqx_seq.KalmanFilter(16, 8, scan=scan, key=jr.key(0))\n"
         "_, ys = kf.sample(jr.key(1), 3000)\n"
         "ys = ys.at[5, 0].set(jnp.nan)\n"
         "grad = eqx.filter_jit(eqx.filter_grad(lambda kf: kf.log_likelihood(ys)))\n"
