@@ -555,3 +555,148 @@ def test_gradient_with_missing_data_does_not_hang():
     )  # fmt: skip
     assert out.returncode == 0, out.stdout + out.stderr
     assert out.stdout.strip().endswith("finite") and "not" not in out.stdout
+
+
+# --- the steady-state filter: time-invariant model, complete data, T > K ---
+
+
+def _settled(kf, ys, us=None):
+    """Whether the steady-state path is taken (white-box: the filter's own test)."""
+    from eqx_seq import _kalman
+
+    params, static = eqx.partition(kf, eqx.is_inexact_array)
+    return bool(
+        eqx.filter_jit(_kalman._steady_log_likelihood)(params, ys, us, static)[1]
+    )
+
+
+def _stacked(model, T):
+    """The same model with F given per step: time-varying, so every step is exact."""
+    return {**model, "F": np.broadcast_to(model["F"], (T, *model["F"].shape))}
+
+
+STEADY_T = 300  # > 128 + 1 exact steps (float64)
+
+
+def test_steady_state_filter_matches_reference():
+    """After the covariance settles the filter runs the steady-state recursion; its
+    means, covariances and log-likelihoods must still be the textbook filter's, also
+    under `vmap` over sequences."""
+    rng = np.random.default_rng(11)
+    model = random_model(rng, 3, 2, c=2)
+    us = rng.normal(size=(STEADY_T, 2))
+    ys = simulate(rng, model, STEADY_T, us)
+    kf = build(model, eqx_seq.SequentialScan())
+    assert _settled(kf, jnp.asarray(ys), jnp.asarray(us))
+    f = np_filter(
+        model["F"], model["H"], model["Q"], model["R"], model["m0"], model["P0"], ys,
+        model["B"], model["D"], us,
+    )  # fmt: skip
+    batch = jax.vmap(lambda y, u: kf.filter(y, us=u))(
+        jnp.stack([ys, ys[::-1]]), jnp.stack([us, us[::-1]])
+    )
+    out = jax.tree.map(lambda x: x[0], batch)
+    tol = dict(rtol=1e-9, atol=1e-11)
+    np.testing.assert_allclose(out.means, f["m"], **tol)
+    np.testing.assert_allclose(out.covs, f["P"], **tol)
+    np.testing.assert_allclose(out.predicted_means, f["mp"], **tol)
+    np.testing.assert_allclose(out.predicted_covs, f["Pp"], **tol)
+    np.testing.assert_allclose(out.log_likelihoods, f["ll"], **tol)
+    np.testing.assert_allclose(kf.log_likelihood(ys, us=us), f["ll"].sum(), **tol)
+    rev = kf.filter(ys[::-1], us=us[::-1])
+    np.testing.assert_allclose(batch.means[1], rev.means, **tol)
+
+
+def test_steady_state_float32():
+    """State 16 / obs 8 in float32 (settles after the 32 exact steps): within
+    float32 round-off of the float64 textbook filter."""
+    rng = np.random.default_rng(12)
+    model = random_model(rng, 16, 8)
+    ys = simulate(rng, model, 400)
+    kf = build(model, eqx_seq.SequentialScan(), dtype=jnp.float32)
+    ys32 = jnp.asarray(ys, jnp.float32)
+    assert _settled(kf, ys32)
+    f = np_filter(
+        model["F"], model["H"], model["Q"], model["R"], model["m0"], model["P0"], ys
+    )
+    out = jax.tree.map(lambda x: np.asarray(x, np.float64), kf.filter(ys32))
+    scale = np.abs(f["m"]).max()
+    assert np.abs(out.means - f["m"]).max() < 1e-5 * scale
+    assert np.abs(out.covs - f["P"]).max() < 1e-5 * np.abs(f["P"]).max()
+    assert abs(float(out.log_likelihood) / f["ll"].sum() - 1) < 1e-5
+
+
+def test_steady_state_gradient():
+    """`log_likelihood`'s gradient on the steady-state path (plain autodiff through
+    it) equals the exact path's (the same model with a per-step F, which goes
+    through Fisher's identity), w.r.t. parameters, observations and controls, and
+    finite differences; forward mode and Hessian-vector products work too."""
+    rng = np.random.default_rng(13)
+    model = random_model(rng, 3, 2, c=1)
+    us = jnp.asarray(rng.normal(size=(STEADY_T, 1)))
+    ys = jnp.asarray(simulate(rng, model, STEADY_T, np.asarray(us)))
+    kf = build(model, eqx_seq.SequentialScan())
+    kf_tv = build(_stacked(model, STEADY_T), eqx_seq.SequentialScan())
+    assert _settled(kf, ys, us)
+
+    def ll(params, static, ys, us):
+        return eqx.combine(params, static).log_likelihood(ys, us=us)
+
+    grad = jax.jit(jax.grad(ll, argnums=(0, 2, 3)), static_argnums=1)
+    params, static = eqx.partition(kf, eqx.is_inexact_array)
+    g_p, g_y, g_u = grad(params, static, ys, us)
+    t_p, t_y, t_u = grad(*eqx.partition(kf_tv, eqx.is_inexact_array), ys, us)
+    t_p = eqx.tree_at(lambda k: k.F, t_p, t_p.F.sum(0))
+    for a, b in zip(jax.tree.leaves((g_p, g_y, g_u)), jax.tree.leaves((t_p, t_y, t_u))):
+        np.testing.assert_allclose(a, b, rtol=1e-8, atol=1e-10)
+    loss = jax.jit(lambda p: ll(p, static, ys, us))
+    d = jax.tree.map(lambda x: jnp.asarray(rng.normal(size=x.shape)), params)
+    fd = _directional_fd(loss, params, d)
+    ad = sum(jnp.vdot(g, v) for g, v in zip(jax.tree.leaves(g_p), jax.tree.leaves(d)))
+    np.testing.assert_allclose(ad, fd, rtol=1e-6)
+    # forward mode, and forward-over-reverse against differences of gradients
+    tangent, hvp = jax.jit(
+        lambda p, d: (
+            jax.jvp(loss, (p,), (d,))[1],
+            jax.jvp(lambda q: grad(q, static, ys, us)[0], (p,), (d,))[1],
+        )
+    )(params, d)
+    np.testing.assert_allclose(tangent, ad, rtol=1e-9)
+    eps = 1e-5
+    plus, minus = (
+        grad(jax.tree.map(lambda x, v: x + s * v, params, d), static, ys, us)[0]
+        for s in (eps, -eps)
+    )
+    for a, b, c in zip(*(jax.tree.leaves(t) for t in (hvp, plus, minus))):
+        np.testing.assert_allclose(a, (b - c) / (2 * eps), rtol=1e-5, atol=1e-7)
+
+
+def test_steady_state_not_settled_falls_back():
+    """A covariance still moving after the exact head (a slow, barely observed
+    state): every step stays exact, and the gradient goes through Fisher's
+    identity."""
+    rng = np.random.default_rng(14)
+    n, p = 2, 1
+    c, s = np.cos(0.01), np.sin(0.01)
+    model = dict(
+        F=0.9995 * np.array([[c, -s], [s, c]]), H=np.array([[0.02, 0.01]]),
+        Q=1e-3 * np.eye(n), R=np.eye(p), m0=np.zeros(n), P0=np.eye(n),
+    )  # fmt: skip
+    ys = simulate(rng, model, STEADY_T)
+    kf = build(model, eqx_seq.SequentialScan())
+    assert not _settled(kf, jnp.asarray(ys))
+    f = np_filter(
+        model["F"], model["H"], model["Q"], model["R"], model["m0"], model["P0"], ys
+    )
+    out = kf.filter(ys)
+    np.testing.assert_allclose(out.means, f["m"], rtol=1e-9, atol=1e-12)
+    np.testing.assert_allclose(out.covs, f["P"], rtol=1e-9, atol=1e-12)
+    np.testing.assert_allclose(out.log_likelihood, f["ll"].sum(), rtol=1e-12)
+    params, static = eqx.partition(kf, eqx.is_inexact_array)
+    g = jax.jit(jax.grad(lambda q: eqx.combine(q, static).log_likelihood(ys)))(params)
+    kf_tv = build(_stacked(model, STEADY_T), eqx_seq.SequentialScan())
+    p_tv, s_tv = eqx.partition(kf_tv, eqx.is_inexact_array)
+    t = jax.jit(jax.grad(lambda q: eqx.combine(q, s_tv).log_likelihood(ys)))(p_tv)
+    t = eqx.tree_at(lambda k: k.F, t, t.F.sum(0))
+    for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(t)):  # measured 7e-9
+        np.testing.assert_allclose(a, b, rtol=1e-7, atol=1e-10)
