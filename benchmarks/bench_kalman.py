@@ -3,13 +3,17 @@
 float32, one sequence, constant model; state 4 / obs 2 and state 16 / obs 8; T in
 {1k, 10k, 100k}. Per size and length, in one interleaved run (`_timing.measure_many`):
 
-- "seq filter": our sequential filter (means, covariances, log-likelihood), and
-  dynamax's `lgssm_filter` (the anchor of the "x dynamax" column);
-- "seq grad": `jax.grad` of `kf.log_likelihood` w.r.t. all parameters, which
-  goes through Fisher's identity (filter + smoother + a scan-free gradient; "x
-  fwd" is divided by our own forward filter), and dynamax's (autodiff through
-  its filter); "seq grad (plain AD)": ours by plain autodiff through our filter
-  (`kf.filter(ys).log_likelihood`), for comparison;
+- "seq filter": our sequential filter (means, covariances, log-likelihood; the
+  model is time-invariant and the data complete, so after the exact head it runs
+  the steady-state filter once the covariance has settled), and dynamax's
+  `lgssm_filter` (the anchor of the "x dynamax" column); "seq filter (exact)":
+  ours with every step exact, for comparison;
+- "seq grad": `jax.grad` of `kf.log_likelihood` w.r.t. all parameters: here plain
+  autodiff through the steady-state filter (for models that do not settle, or
+  with missing data, Fisher's identity: filter + smoother + a scan-free
+  gradient); "x fwd" is divided by our own forward filter; dynamax's is autodiff
+  through its filter; "seq grad (plain AD)": ours by plain autodiff through
+  `kf.filter(ys).log_likelihood`, for comparison;
 - "seq smoother": our RTS smoother (Bryson-Frazier form) and dynamax's
   `lgssm_smoother`;
 - "par filter": our parallel (Särkkä & García-Fernández) filter, compile time
@@ -62,6 +66,19 @@ def dynamax_params(kf):
     return make_lgssm_params(F @ kf.m0, F @ P0 @ F.T + Q, F, Q, kf.H, kf.R)
 
 
+def exact_filter(kf, ys):
+    """Our filter with every step exact (the steady state switched off while
+    tracing), for comparison."""
+    from eqx_seq import _kalman
+
+    may_settle = _kalman._may_settle
+    _kalman._may_settle = lambda *args: False
+    try:
+        return _kalman._filter(kf, ys, None)
+    finally:
+        _kalman._may_settle = may_settle
+
+
 def programs(n, p, T):
     kf = model(n, p, eqx_seq.SequentialScan())
     _, ys = kf.sample(jr.key(1), T)
@@ -69,6 +86,7 @@ def programs(n, p, T):
     plain = lambda kf, ys: kf.filter(ys).log_likelihood
     progs = {
         "ours: seq filter": (eqx.filter_jit(lambda kf, ys: kf.filter(ys)), (kf, ys)),
+        "ours: seq filter (exact)": (eqx.filter_jit(exact_filter), (kf, ys)),
         "ours: seq grad": (eqx.filter_jit(eqx.filter_grad(ll)), (kf, ys)),
         "ours: seq grad (plain AD)": (eqx.filter_jit(eqx.filter_grad(plain)), (kf, ys)),
         "ours: seq smoother": (
