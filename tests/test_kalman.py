@@ -626,23 +626,28 @@ def test_steady_state_float32():
     assert abs(float(out.log_likelihood) / f["ll"].sum() - 1) < 1e-5
 
 
-def test_steady_state_gradient():
-    """`log_likelihood`'s gradient on the steady-state path (plain autodiff through
-    it) equals the exact path's (the same model with a per-step F, which goes
-    through Fisher's identity), w.r.t. parameters, observations and controls, and
-    finite differences; forward mode and Hessian-vector products work too."""
+def _steady_gradient_case():
     rng = np.random.default_rng(13)
     model = random_model(rng, 3, 2, c=1)
     us = jnp.asarray(rng.normal(size=(STEADY_T, 1)))
     ys = jnp.asarray(simulate(rng, model, STEADY_T, np.asarray(us)))
-    kf = build(model, eqx_seq.SequentialScan())
-    kf_tv = build(_stacked(model, STEADY_T), eqx_seq.SequentialScan())
-    assert _settled(kf, ys, us)
 
     def ll(params, static, ys, us):
         return eqx.combine(params, static).log_likelihood(ys, us=us)
 
     grad = jax.jit(jax.grad(ll, argnums=(0, 2, 3)), static_argnums=1)
+    return rng, model, ys, us, ll, grad
+
+
+def test_steady_state_gradient():
+    """`log_likelihood`'s gradient on the steady-state path (plain autodiff through
+    it) equals the exact path's (the same model with a per-step F, which goes
+    through Fisher's identity), w.r.t. parameters, observations and controls, and
+    finite differences; forward mode works too."""
+    rng, model, ys, us, ll, grad = _steady_gradient_case()
+    kf = build(model, eqx_seq.SequentialScan())
+    kf_tv = build(_stacked(model, STEADY_T), eqx_seq.SequentialScan())
+    assert _settled(kf, ys, us)
     params, static = eqx.partition(kf, eqx.is_inexact_array)
     g_p, g_y, g_u = grad(params, static, ys, us)
     t_p, t_y, t_u = grad(*eqx.partition(kf_tv, eqx.is_inexact_array), ys, us)
@@ -654,14 +659,22 @@ def test_steady_state_gradient():
     fd = _directional_fd(loss, params, d)
     ad = sum(jnp.vdot(g, v) for g, v in zip(jax.tree.leaves(g_p), jax.tree.leaves(d)))
     np.testing.assert_allclose(ad, fd, rtol=1e-6)
-    # forward mode, and forward-over-reverse against differences of gradients
-    tangent, hvp = jax.jit(
-        lambda p, d: (
-            jax.jvp(loss, (p,), (d,))[1],
-            jax.jvp(lambda q: grad(q, static, ys, us)[0], (p,), (d,))[1],
-        )
-    )(params, d)
+    tangent = jax.jit(lambda p, d: jax.jvp(loss, (p,), (d,))[1])(params, d)
     np.testing.assert_allclose(tangent, ad, rtol=1e-9)
+
+
+@pytest.mark.slow
+def test_steady_state_hessian_vector_products():
+    """Forward-over-reverse through the steady-state path, against differences of
+    gradients (slow: compiling the second-order program takes ~25 s)."""
+    rng, model, ys, us, ll, grad = _steady_gradient_case()
+    params, static = eqx.partition(
+        build(model, eqx_seq.SequentialScan()), eqx.is_inexact_array
+    )
+    d = jax.tree.map(lambda x: jnp.asarray(rng.normal(size=x.shape)), params)
+    hvp = jax.jit(
+        lambda p, d: jax.jvp(lambda q: grad(q, static, ys, us)[0], (p,), (d,))[1]
+    )(params, d)
     eps = 1e-5
     plus, minus = (
         grad(jax.tree.map(lambda x, v: x + s * v, params, d), static, ys, us)[0]
