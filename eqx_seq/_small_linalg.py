@@ -60,7 +60,7 @@ def tril_inverse(L: Inexact[Array, "*batch n n"]) -> Inexact[Array, "*batch n n"
     by forward substitution."""
     n = L.shape[-1]
     if n > _ENTRYWISE_MAX:
-        return _tril_inverse_by_rows(L)
+        return tril_inverse_by_rows(L)
     l = _entries(L)
     W = [[None] * n for _ in range(n)]
     for i in range(n):
@@ -85,7 +85,9 @@ def _cholesky_by_columns(A: Array) -> Array:
     return jnp.stack(cols, axis=-1)
 
 
-def _tril_inverse_by_rows(L: Array) -> Array:
+def tril_inverse_by_rows(L: Array) -> Array:
+    """`tril_inverse` by forward substitution one row at a time: fewer, wider
+    operations (for large matrices, or one small matrix with no batch)."""
     n = L.shape[-1]
     eye = jnp.eye(n, dtype=L.dtype)
     rows = []
