@@ -421,7 +421,7 @@ def _head_steps(dtype) -> int:
     (`_settle`) in float32: random models of state 3-16, 8-46 (most below 32); a
     barely observed state-8 / obs-1 model, 119. In float64, 96-128. A model still
     moving at `K` runs every step exactly; a larger `K` makes every gradient pay
-    for more exact steps (about 140 us each at state 16 / obs 8, reverse mode)."""
+    for more exact steps (about 70 us each in reverse mode at state 16 / obs 8)."""
     return 32 if jnp.finfo(dtype).bits <= 32 else 128
 
 
@@ -1070,7 +1070,7 @@ class KalmanFilter(eqx.Module):
     matrix-vector product per step (the same arithmetic as the exact update, made
     an affine map). Otherwise every step stays exact. The result is the exact
     filter's to round-off (tested against a float64 textbook filter); it made the
-    filter 4-13x faster (state 4 and 16, `T` = 1k-100k, float32). Missing data,
+    filter 3.6-15x faster (state 4 and 16, `T` = 1k-100k, float32). Missing data,
     time-varying matrices, short sequences and the smoother always run every step
     exactly. In float32 most models tried settled within 32 steps; some took up to
     46, and a barely observed one 119: those run every step exactly.
@@ -1087,9 +1087,9 @@ class KalmanFilter(eqx.Module):
     everything the log-likelihood does (time-varying matrices, controls, missing
     entries, both backends) and gives the gradient with respect to `ys` and `us`
     too. Where the steady state applies (above), plain autodiff through the
-    steady-state filter is cheaper and is used instead (measured 0.5-2.9x the
-    filter; the reverse pass through the exact steps is a fixed cost, about 5 ms
-    at state 16 / obs 8; `benchmarks/README.md`). The
+    steady-state filter is cheaper and is used instead (measured 0.3-2.3x the
+    filter, which also writes every covariance; the reverse pass through the exact
+    steps is a fixed cost, 2-3 ms at state 16 / obs 8; `benchmarks/README.md`). The
     filtered means (`kf(ys)`, `kf.filter(ys)`) are not an expectation of a
     complete-data quantity, so Fisher's identity does not apply to them: their
     gradients, and that of `kf.filter(ys).log_likelihood`, are plain JAX autodiff
