@@ -285,13 +285,14 @@ def _complete_update(m: Array, P: Array, y: Array, Hw: Array):
     """`_update` with every entry observed: the filtered mean and covariance and the
     log-density, with a derivative rule in matrix form.
 
-    Autodiff through the unrolled scalar updates runs about 30 small operations
-    per observed entry per step in reverse mode (measured 140 us per step at
-    state 16 / obs 8); the rule is a dozen products. It differentiates the joint
-    update `m' = m + C v`, `P' = P - C S^{-1} C^T`, `ll = -(p log 2pi + log|S| +
-    e^T v) / 2`, with `C = P Hw^T`, `S = Hw C + I`, `e = y - Hw m`, `v = S^{-1} e`,
-    which the scalar updates compute exactly: they factor `S = L diag(s) L^T`
-    (`L` unit lower triangular, `L[j, i] = h_j . k_i`) and return `L^{-1} e`.
+    Reverse-mode autodiff through the unrolled scalar updates, a chain of small
+    operations per observed entry, measured about 140 us per step at state 16 /
+    obs 8 (with rematerialisation); the rule is a dozen products. It
+    differentiates the joint update `m' = m + C v`, `P' = P - C S^{-1} C^T`,
+    `ll = -(p log 2pi + log|S| + e^T v) / 2`, with `C = P Hw^T`, `S = Hw C + I`,
+    `e = y - Hw m`, `v = S^{-1} e`, which the scalar updates compute exactly: they
+    factor `S = L diag(s) L^T` (`L` unit lower triangular, `L[j, i] = h_j . k_i`)
+    and return `L^{-1} e`.
     """
     m, P, ll, _ = _update(m, P, y, Hw, jnp.ones(y.shape, bool))
     return m, P, ll

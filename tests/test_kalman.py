@@ -112,13 +112,27 @@ def simulate(rng, model, T, us=None):
     return np.array(ys)
 
 
-def reference(model, ys, us=None):
-    f = np_filter(
+def filter_reference(model, ys, us=None):
+    return np_filter(
         model["F"], model["H"], model["Q"], model["R"], model["m0"], model["P0"], ys,
         model.get("B"), model.get("D"), us,
     )  # fmt: skip
+
+
+def reference(model, ys, us=None):
+    f = filter_reference(model, ys, us)
     sm, sP, cross = np_smoother(model["F"], f)
     return f, sm, sP, cross
+
+
+def assert_filtered(out, f, **tol):
+    """A `KalmanFilterResult` equals the reference filter's output `f`."""
+    np.testing.assert_allclose(out.means, f["m"], **tol)
+    np.testing.assert_allclose(out.covs, f["P"], **tol)
+    np.testing.assert_allclose(out.predicted_means, f["mp"], **tol)
+    np.testing.assert_allclose(out.predicted_covs, f["Pp"], **tol)
+    np.testing.assert_allclose(out.log_likelihoods, f["ll"], **tol)
+    np.testing.assert_allclose(out.log_likelihood, f["ll"].sum(), **tol)
 
 
 def build(model, scan, dtype=None):
@@ -176,12 +190,7 @@ def test_filter_and_smoother_match_reference(backend, name):
     sm_out = kf.smooth(ys, us=us)
     out = sm_out.filtered
     tol = dict(rtol=1e-7, atol=1e-9)
-    np.testing.assert_allclose(out.means, f["m"], **tol)
-    np.testing.assert_allclose(out.covs, f["P"], **tol)
-    np.testing.assert_allclose(out.predicted_means, f["mp"], **tol)
-    np.testing.assert_allclose(out.predicted_covs, f["Pp"], **tol)
-    np.testing.assert_allclose(out.log_likelihoods, f["ll"], **tol)
-    np.testing.assert_allclose(out.log_likelihood, f["ll"].sum(), **tol)
+    assert_filtered(out, f, **tol)
     if (backend, name) == ("sequential", "plain"):  # the thin wrappers, once
         np.testing.assert_allclose(kf.log_likelihood(ys, us=us), f["ll"].sum(), **tol)
         np.testing.assert_allclose(kf(ys, us=us), f["m"], **tol)
@@ -219,9 +228,7 @@ def test_log_likelihood_far_from_zero(backend):
     """Parallel filters that accumulate the likelihood in the scan get this wrong."""
     model, ys = constant_velocity(FAR_T, np.float64)
     assert np.abs(ys).max() > 1e3
-    f = np_filter(
-        model["F"], model["H"], model["Q"], model["R"], model["m0"], model["P0"], ys
-    )
+    f = filter_reference(model, ys)
     ref = f["ll"].sum()
     kf64 = build(model, BACKENDS[backend])
     np.testing.assert_allclose(kf64.smooth(ys).filtered.log_likelihood, ref, rtol=1e-9)
@@ -588,20 +595,13 @@ def test_steady_state_filter_matches_reference():
     ys = simulate(rng, model, STEADY_T, us)
     kf = build(model, eqx_seq.SequentialScan())
     assert _settled(kf, jnp.asarray(ys), jnp.asarray(us))
-    f = np_filter(
-        model["F"], model["H"], model["Q"], model["R"], model["m0"], model["P0"], ys,
-        model["B"], model["D"], us,
-    )  # fmt: skip
+    f = filter_reference(model, ys, us)
     batch = jax.vmap(lambda y, u: kf.filter(y, us=u))(
         jnp.stack([ys, ys[::-1]]), jnp.stack([us, us[::-1]])
     )
     out = jax.tree.map(lambda x: x[0], batch)
     tol = dict(rtol=1e-9, atol=1e-11)
-    np.testing.assert_allclose(out.means, f["m"], **tol)
-    np.testing.assert_allclose(out.covs, f["P"], **tol)
-    np.testing.assert_allclose(out.predicted_means, f["mp"], **tol)
-    np.testing.assert_allclose(out.predicted_covs, f["Pp"], **tol)
-    np.testing.assert_allclose(out.log_likelihoods, f["ll"], **tol)
+    assert_filtered(out, f, **tol)
     np.testing.assert_allclose(kf.log_likelihood(ys, us=us), f["ll"].sum(), **tol)
     rev = kf.filter(ys[::-1], us=us[::-1])
     np.testing.assert_allclose(batch.means[1], rev.means, **tol)
@@ -616,9 +616,7 @@ def test_steady_state_float32():
     kf = build(model, eqx_seq.SequentialScan(), dtype=jnp.float32)
     ys32 = jnp.asarray(ys, jnp.float32)
     assert _settled(kf, ys32)
-    f = np_filter(
-        model["F"], model["H"], model["Q"], model["R"], model["m0"], model["P0"], ys
-    )
+    f = filter_reference(model, ys)
     out = jax.tree.map(lambda x: np.asarray(x, np.float64), kf.filter(ys32))
     scale = np.abs(f["m"]).max()
     assert np.abs(out.means - f["m"]).max() < 1e-5 * scale
@@ -698,9 +696,7 @@ def test_steady_state_not_settled_falls_back():
     ys = simulate(rng, model, STEADY_T)
     kf = build(model, eqx_seq.SequentialScan())
     assert not _settled(kf, jnp.asarray(ys))
-    f = np_filter(
-        model["F"], model["H"], model["Q"], model["R"], model["m0"], model["P0"], ys
-    )
+    f = filter_reference(model, ys)
     out = kf.filter(ys)
     np.testing.assert_allclose(out.means, f["m"], rtol=1e-9, atol=1e-12)
     np.testing.assert_allclose(out.covs, f["P"], rtol=1e-9, atol=1e-12)
