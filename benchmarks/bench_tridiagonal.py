@@ -15,8 +15,9 @@ twenty runs of `out[:] = a + b + c + d` over the same four arrays into a preallo
 `out` (four reads, one write: the traffic of an ideal solve), with Numba on all
 cores (NumPy, one core, if Numba is missing), measured in the same run. "x Numba"
 divides by Numba's SIMD kernel on time-major data (all cores); the same kernel also
-runs on one thread, since XLA runs our sweeps on one. Gradients are of `sum(x**2)`
-w.r.t. all four inputs.
+runs on one thread, since XLA runs our sweeps on one; and ours also runs with the
+systems split over one CPU device per core by `jax.shard_map` (the "shard_map" rows),
+the JAX way to use every core. Gradients are of `sum(x**2)` w.r.t. all four inputs.
 
     python benchmarks/bench_tridiagonal.py            # about 4 minutes on 2 cores
     python benchmarks/bench_tridiagonal.py --quick    # 10k systems, a smoke test
@@ -31,10 +32,15 @@ import jax
 
 
 jax.config.update("jax_enable_x64", True)
+# one CPU device per core, for the rows that split the systems over devices with
+# `jax.shard_map` (everything else runs on the first device, as with one)
+DEVICES = os.cpu_count() or 1
+jax.config.update("jax_num_cpu_devices", DEVICES)
 
 import jax.lax as lax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 
 import eqx_seq  # noqa: E402
 
@@ -205,12 +211,25 @@ def ours(scan=None, axis=0, pivoting=False):
     return lambda a, b, c, d: eqx_seq.tridiagonal_solve(a, b, c, d, **kw)
 
 
+def over_devices(solve):
+    """`solve` on time-major data, its systems (axis 1) split over the CPU devices
+    with `jax.shard_map`: each device solves its share, on its own thread."""
+    mesh = Mesh(np.array(jax.devices()), ("systems",))
+    spec = P(None, "systems")
+    sharded = jax.shard_map(solve, mesh=mesh, in_specs=(spec,) * 4, out_specs=spec)
+    return sharded, lambda *xs: tuple(
+        jax.device_put(x, NamedSharding(mesh, spec)) for x in xs
+    )
+
+
 def grad_of(solve):
     loss = lambda *args: jnp.sum(solve(*args) ** 2)
     return jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))
 
 
 ANCHOR = "jax.lax.linalg.tridiagonal_solve (gtsv)"
+SPLIT = f"eqx_seq Thomas, axis=0, shard_map x{DEVICES} CPU"
+GRAD_SPLIT = f"grad: eqx_seq Thomas, axis=0, shard_map x{DEVICES}"
 NUMBA_SIMD = "Numba SIMD across systems, time-major, prange"
 
 
@@ -278,12 +297,19 @@ def run_dtype(dtype, batch, n, repeats, with_pcr):
             one_thread(time_major),
             tm,
         )
+    split = batch % DEVICES == 0 and DEVICES > 1
+    if split:
+        sharded, put = over_devices(ours(thomas, axis=0))
+        tm_split = put(*tm_j)
+        fwd[SPLIT] = ("tm", jax.jit(sharded), tm_split)
     programs = {name: (fn, args) for name, (_, fn, args) in fwd.items()}
     grads = {
         "grad: jax.lax.linalg.tridiagonal_solve": (grad_of(lax_gtsv), last_j),
         "grad: eqx_seq Thomas, axis=-1": (grad_of(ours(thomas, axis=-1)), last_j),
         "grad: eqx_seq Thomas, axis=0": (grad_of(ours(thomas, axis=0)), tm_j),
     }
+    if split:
+        grads[GRAD_SPLIT] = (grad_of(sharded), tm_split)
     programs.update(grads)
     timed = measure_many(programs, repeats=repeats, slow=tuple(slow))
 
@@ -316,6 +342,7 @@ def run_dtype(dtype, batch, n, repeats, with_pcr):
         "grad: jax.lax.linalg.tridiagonal_solve": ANCHOR,
         "grad: eqx_seq Thomas, axis=-1": "eqx_seq Thomas (SequentialScan), axis=-1",
         "grad: eqx_seq Thomas, axis=0": "eqx_seq Thomas (SequentialScan), axis=0",
+        GRAD_SPLIT: SPLIT,
     }
     anchor_grad = timed["grad: jax.lax.linalg.tridiagonal_solve"]["median_ms"]
     for name in grads:

@@ -30,7 +30,9 @@ class Embedding(eqx.Module):
     - `"error"` (default): raise at run time through `eqx.error_if` (works under
         `jax.jit`; `EQX_ON_ERROR` controls it). If the check is switched off, ids
         are clamped as with `"clip"`. Its cost is measured in
-        `benchmarks/bench_embedding.py`.
+        `benchmarks/bench_embedding.py`. Under `jax.shard_map` with its default
+        `check_vma=True` this fails to trace (equinox 0.13's `eqx.error_if` does
+        not support it yet): use `"clip"` or `"fill"` there.
     - `"clip"`: clamp to the nearest valid row (`-V - 3` gives row 0, `V + 3` the
         last row). The clamped row is what is looked up, so it also receives the
         gradient: forward and backward agree.

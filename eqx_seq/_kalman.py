@@ -56,7 +56,7 @@ from jaxtyping import Array, ArrayLike, Float, PRNGKeyArray
 
 from . import _small_linalg as small_linalg
 from ._level_scan import level_scan
-from ._misc import check_positive_int
+from ._misc import check_positive_int, vary_like, zeros_like_inputs
 from ._scan import AbstractScan, AssociativeScan, AutoScan
 
 
@@ -725,7 +725,8 @@ def _smooth_sequential(model: _Model, filtered: KalmanFilterResult, recorded):
     Hw, ks, es, ss = recorded
     T, n = filtered.means.shape
     dtype = filtered.means.dtype
-    init = (jnp.zeros((n,), dtype), jnp.zeros((n, n), dtype))
+    like = (filtered.means, model.F, *recorded)  # for `shard_map`
+    init = (zeros_like_inputs((n,), dtype, *like), zeros_like_inputs((n, n), dtype, *like))
     if T == 1:
         r, N = init[0][None], init[1][None]
         G = jnp.zeros((0, n, n), dtype)
@@ -781,8 +782,14 @@ def _complete_whitening(L_R: Array, T: int) -> tuple[Array, Array]:
 
 def _prepare(kf: "KalmanFilter", ys: Array, us: Array | None):
     """`(model, c, y, obs)`: `y` the observations minus `D u` with NaNs zeroed,
-    `c = B u`, `obs` the observed entries."""
-    model = kf._model()
+    `c = B u`, `obs` the observed entries.
+
+    Under `jax.shard_map` the model's matrices are made to vary like the data, so
+    that every carry and `lax.cond` branch downstream has one type (a covariance
+    computed from the model alone would otherwise be shared by the devices while
+    one updated with per-device missing data is not)."""
+    data = (ys,) if us is None else (ys, us)
+    model = jax.tree.map(lambda p: vary_like(p, *data), kf._model())
     obs = ~jnp.isnan(ys)
     y = jnp.where(obs, ys, 0)  # zero NaNs before any arithmetic (double where)
     c = None if kf.B is None else us @ kf.B.T
@@ -819,7 +826,8 @@ def _run(kf: "KalmanFilter", ys: Array, us: Array | None, body):
         def either(L_R):
             def full():
                 W, logdet = _complete_whitening(L_R, T)
-                return jnp.broadcast_to(W, (T, *W.shape[-2:])), logdet
+                W = jnp.broadcast_to(W, (T, *W.shape[-2:]))
+                return vary_like(W, obs), vary_like(logdet, obs)  # for `shard_map`
 
             return lax.cond(complete, full, lambda: missing_whitening(L_R))
 
@@ -955,6 +963,11 @@ def _fisher_log_likelihood(kf: "KalmanFilter", ys: Array, us: Array | None) -> A
     def log_likelihood_jvp(primals, tangents):
         params, ys, us = primals
         obs = ~jnp.isnan(ys)
+        # under `shard_map`, parameters that vary like the data (see `_prepare`):
+        # `vmap` of a `cond` on a per-sequence predicate evaluates both branches
+        # on operands that vary, which shared parameters traced in them would not
+        data = (ys,) if us is None else (ys, us)
+        params = jax.tree.map(lambda p: vary_like(p, *data), params)
 
         def body(model, c, y, obs_, W, logdet, whiten):
             def fisher():

@@ -1,7 +1,37 @@
 """Small helpers shared by the layers."""
 
+import jax.numpy as jnp
+from jaxtyping import Array
+
 
 def check_positive_int(name: str, value: object) -> None:
     """Raise a `ValueError` naming `name` unless `value` is an int >= 1 (not a bool)."""
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"`{name}` must be a positive int, got {value!r}.")
+
+
+def zeros_like_inputs(shape: tuple[int, ...], dtype, *inputs: Array) -> Array:
+    """Zeros of `shape` and `dtype` that vary over every mesh axis that one of
+    `inputs` varies over, under `jax.shard_map`.
+
+    For the initial carries and output buffers of loops: `jax.shard_map` (with its
+    default `check_vma=True`) requires a carry's type to match its update's, and an
+    update computed from per-device data varies over the mesh while `jnp.zeros`
+    does not. Outside `shard_map` this is plain `jnp.zeros`.
+    """
+    out = jnp.zeros(shape, dtype)
+    for x in inputs:
+        out = out + jnp.zeros_like(x, dtype=dtype, shape=())
+    return out
+
+
+def vary_like(x: Array, *inputs: Array) -> Array:
+    """`x`, varying under `jax.shard_map` over every mesh axis one of `inputs` varies
+    over (`x` plus a zero scalar).
+
+    For arrays that a `lax.custom_linear_solve` closes over: with closures shared
+    by all devices (invariant) and a right-hand side per device, its gradient
+    failed to lower under `shard_map` in jax 0.10 (a `pvary` of a varying value
+    inside the solve), so the closures are made to vary like the right-hand side.
+    """
+    return x + zeros_like_inputs((), x.dtype, *inputs)

@@ -24,6 +24,7 @@ import jax.numpy as jnp
 from jax.custom_derivatives import SymbolicZero
 from jaxtyping import Array, ArrayLike, Inexact
 
+from ._misc import vary_like
 from ._scan import AbstractScan, AutoScan, fold_initial_state
 
 
@@ -43,6 +44,7 @@ def _per_step(x: Array, like: Array) -> Array:
 def _linear_solve(scan: AbstractScan, a: Array, rhs: Array, *, reverse: bool) -> Array:
     """`h = (I - diag(a) S)^{-1} rhs`, linear in `rhs`, with a transpose rule."""
     time_invariant = a.ndim < rhs.ndim
+    a = vary_like(a, rhs)  # for `shard_map`: see `vary_like`
 
     def matvec(h):
         return h - _per_step(a, h) * _shift(h, jnp.zeros((), h.dtype), reverse=reverse)

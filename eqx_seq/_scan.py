@@ -13,7 +13,7 @@ import jax.lax as lax
 import jax.numpy as jnp
 from jaxtyping import Array, Inexact
 
-from ._misc import check_positive_int
+from ._misc import check_positive_int, zeros_like_inputs
 
 
 class AbstractScan(eqx.Module):
@@ -88,7 +88,10 @@ class SequentialScan(AbstractScan):
                 return h, h
 
             xs = (a, b)
-        init = jnp.zeros_like(b[0]) if h0 is None else h0
+        # the carry varies (under `shard_map`) wherever `a`, `b` or `h0` does
+        init = zeros_like_inputs(b.shape[1:], b.dtype, a, b)
+        if h0 is not None:
+            init = init + h0
         _, h = lax.scan(step, init, xs, reverse=reverse, unroll=self.unroll)
         return h
 

@@ -35,6 +35,7 @@ import jax.lax as lax
 import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike, Inexact
 
+from ._misc import vary_like, zeros_like_inputs
 from ._scan import AbstractScan, AssociativeScan, AutoScan, SequentialScan
 
 
@@ -101,7 +102,7 @@ def _over_blocks(kernel, ins, out_shapes, dtype, *, block: int):
     P = max(a.shape[0] for a in ins)
     Q = max(a.shape[2] for a in ins)
     n = ins[0].shape[1]
-    outs = tuple(jnp.empty(s, dtype) for s in out_shapes)
+    outs = tuple(zeros_like_inputs(s, dtype, *ins) for s in out_shapes)
     if P == 1:
         total, step = Q, block
 
@@ -118,7 +119,9 @@ def _over_blocks(kernel, ins, out_shapes, dtype, *, block: int):
             )
             tile_in = tuple(jnp.moveaxis(grab(a), 1, 0) for a in ins)
             tile_out = tuple(
-                jnp.empty((n, size if o.shape[0] != 1 else 1, o.shape[2]), dtype)
+                zeros_like_inputs(
+                    (n, size if o.shape[0] != 1 else 1, o.shape[2]), dtype, *ins
+                )
                 for o in outs
             )
             tile_out = kernel(tile_in, tile_out, _Block(0, (0, 0), (size, Q)))
@@ -159,7 +162,11 @@ def _k_thomas(ins, outs, blk: _Block, *, unroll: int):
             outs = (outs[0], blk.put(outs[1], i, inv))
         return (e, y, outs), (e, y)
 
-    init = (jnp.zeros(dshape, r.dtype), jnp.zeros(shape, r.dtype), outs)
+    init = (
+        zeros_like_inputs(dshape, r.dtype, *ins),
+        zeros_like_inputs(shape, r.dtype, *ins),
+        outs,
+    )
     (_, _, outs), (e, y) = lax.scan(down, init, jnp.arange(n), unroll=unroll)
 
     def up(j, carry):
@@ -168,7 +175,8 @@ def _k_thomas(ins, outs, blk: _Block, *, unroll: int):
         x = y[i] + e[i] * x_next
         return x, (blk.put(outs[0], i, x),) + outs[1:]
 
-    _, outs = lax.fori_loop(0, n, up, (jnp.zeros(shape, r.dtype), outs), unroll=unroll)
+    zero = zeros_like_inputs(shape, r.dtype, *ins)
+    _, outs = lax.fori_loop(0, n, up, (zero, outs), unroll=unroll)
     return outs
 
 
@@ -190,7 +198,8 @@ def _k_lu(ins, outs, blk: _Block, *, transpose: bool, unroll: int):
             y = (row(b, i) - row(l, i) * y_prev) * row(inv, i)
         return y, y
 
-    _, ys = lax.scan(down, jnp.zeros(shape, b.dtype), jnp.arange(n), unroll=unroll)
+    zero = zeros_like_inputs(shape, b.dtype, *ins)
+    _, ys = lax.scan(down, zero, jnp.arange(n), unroll=unroll)
 
     def up(j, carry):
         x_next, out = carry
@@ -201,7 +210,6 @@ def _k_lu(ins, outs, blk: _Block, *, transpose: bool, unroll: int):
             x = ys[i] + e(i) * x_next
         return x, blk.put(out, i, x)
 
-    zero = jnp.zeros(shape, b.dtype)
     _, out = lax.fori_loop(0, n, up, (zero, outs[0]), unroll=unroll)
     return (out,)
 
@@ -430,6 +438,7 @@ def _solve(l, d, u, r, axis, scan, pivoting, check):
         if check:
             x = _checked(l, d, u, r, x, axis=axis, dominance=True)
         return x
+    l, d, u = (vary_like(x, r) for x in (l, d, u))  # for `shard_map`: see `vary_like`
     if pivoting:
         solve = lambda _, b: _pivoting_solve(l, d, u, b, axis=axis)
         transpose_solve = lambda _, b: _pivoting_solve(
@@ -481,7 +490,10 @@ def tridiagonal_solve(
         laid out along `axis` while it is in cache. At 100k systems of size 100 on
         CPU it was 3.4-4.7x faster than `jax.lax.linalg.tridiagonal_solve` on
         time-major data (`axis=0`) and 1.4-2.0x on systems along the last axis
-        (`benchmarks/README.md`).
+        (`benchmarks/README.md`). XLA runs the sweeps on one thread; to use several
+        cores, split the systems over CPU devices with `jax.shard_map` (README,
+        "Several devices"). Sharded inputs without `shard_map` are slow: XLA's
+        automatic partitioner gathers the blocks.
     - [`eqx_seq.AssociativeScan`][] (the `AutoScan` choice on GPU/TPU): parallel
         cyclic reduction (PCR; Hockney 1965), `ceil(log2 n)` rounds of elementwise
         updates with shifts along `axis`: `O(n log n)` work, `O(log n)` depth, for

@@ -8,6 +8,9 @@ import pytest
 jax.config.update("jax_enable_x64", True)
 jax.config.update("jax_numpy_dtype_promotion", "strict")
 jax.config.update("jax_numpy_rank_promotion", "raise")
+# two CPU devices for the `jax.shard_map` tests (test_shard_map.py); programs that
+# are not sharded run on the first, as with one
+jax.config.update("jax_num_cpu_devices", 2)
 
 
 @pytest.fixture

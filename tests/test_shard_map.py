@@ -1,0 +1,174 @@
+"""Every layer under `jax.shard_map` (data parallel over two CPU devices, with
+shard_map's default `check_vma=True`): the same values and gradients as without.
+
+`conftest.py` asks for two CPU devices. Parameters are shared by the devices
+(`P()`); the data is split along its batch axis. Gradients are taken outside the
+`shard_map`, so a shared parameter's gradient is summed over the devices by JAX.
+"""
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import jax.random as jr
+import numpy as np
+import pytest
+from jax.sharding import Mesh, PartitionSpec as P
+
+import eqx_seq
+
+
+pytestmark = pytest.mark.skipif(
+    jax.device_count() < 2, reason="needs two devices (conftest.py asks for them)"
+)
+
+SCANS = {"sequential": eqx_seq.SequentialScan(), "associative": eqx_seq.AssociativeScan()}
+
+
+def _mesh() -> Mesh:
+    return Mesh(np.array(jax.devices()[:2]), ("batch",))
+
+
+def _loss(out) -> jax.Array:
+    # NaN outputs (Embedding's "fill") contribute nothing
+    return sum(jnp.sum(jnp.abs(jnp.nan_to_num(x)) ** 2) for x in jax.tree.leaves(out))
+
+
+def check_sharded(
+    fn, params, data, *, data_spec=P("batch"), rtol=1e-9, wrt_data=True, grad=True
+):
+    """`fn(params, *data)` with the data split over two devices equals `fn` on one,
+    and (with `grad`) so do the gradients of a sum of squares w.r.t. `params` (and
+    `data`, with `wrt_data`). Non-finite values must agree (NaN fills)."""
+    sharded = jax.shard_map(
+        fn,
+        mesh=_mesh(),
+        in_specs=(P(),) + (data_spec,) * len(data),
+        out_specs=data_spec,
+    )
+    argnums = tuple(range(1 + len(data))) if wrt_data else 0
+    results = []
+    for f in (fn, sharded):
+        value = jax.jit(f)(params, *data)
+        grads = None
+        if grad:
+            loss = lambda *a, f=f: _loss(f(*a))
+            grads = jax.jit(jax.grad(loss, argnums=argnums))(params, *data)
+        results.append((value, grads))
+    want, got = (jax.tree.leaves(r) for r in results)
+    assert len(want) == len(got) > 0
+    for w, g in zip(want, got):
+        assert jnp.any(jnp.isfinite(w))
+        scale = jnp.max(jnp.abs(jnp.where(jnp.isfinite(w), w, 0)))
+        np.testing.assert_allclose(g, w, rtol=rtol, atol=rtol * scale)
+
+
+def check_layer(layer, data, **kwargs):
+    """`jax.vmap(layer)` over the batch, the layer's arrays shared."""
+    params, static = eqx.partition(layer, eqx.is_inexact_array)
+    fn = lambda p, *d: jax.vmap(eqx.combine(p, static))(*d)
+    check_sharded(fn, params, data, **kwargs)
+
+
+@pytest.mark.parametrize("scan", SCANS.values(), ids=SCANS.keys())
+@pytest.mark.parametrize("shared_decay", [True, False], ids=["shared-a", "per-seq-a"])
+def test_linear_recurrence(scan, shared_decay, getkey):
+    b = jr.normal(getkey(), (4, 16, 3))
+    h0 = jr.normal(getkey(), (4, 3))
+    a = jr.uniform(getkey(), (3,) if shared_decay else (4, 16, 3), minval=0.5, maxval=0.9)
+    if shared_decay:
+        fn = lambda a, b, h0: jax.vmap(
+            lambda b, h0: eqx_seq.linear_recurrence(a, b, h0, scan=scan)
+        )(b, h0)
+        check_sharded(fn, a, (b, h0))
+    else:
+        fn = lambda _, a, b, h0: jax.vmap(
+            lambda a, b, h0: eqx_seq.linear_recurrence(a, b, h0, scan=scan)
+        )(a, b, h0)
+        check_sharded(fn, jnp.zeros(()), (a, b, h0))
+
+
+@pytest.mark.parametrize(
+    "method", ["sequential", "associative", "pivoting"], ids=str
+)
+def test_tridiagonal_solve(method, getkey):
+    # time-major (n, systems): the systems are split over the devices
+    n, systems = 9, 6
+    scan = SCANS["sequential" if method == "pivoting" else method]
+    kw = dict(scan=scan, pivoting=method == "pivoting")
+    lower, upper = (jr.uniform(getkey(), (n, systems), minval=-1) for _ in range(2))
+    diag = 3 + jr.uniform(getkey(), (n, systems))
+    rhs = jr.normal(getkey(), (n, systems))
+    spec = P(None, "batch")
+    # diagonals per system (split like the right-hand sides)
+    fn = lambda _, l, d, u, r: eqx_seq.tridiagonal_solve(l, d, u, r, **kw)
+    check_sharded(fn, jnp.zeros(()), (lower, diag, upper, rhs), data_spec=spec)
+    # diagonals shared by all systems (broadcast along the system axis)
+    shared = (lower[:, :1], diag[:, :1], upper[:, :1])
+    fn = lambda ldu, r: eqx_seq.tridiagonal_solve(*ldu, r, **kw)
+    check_sharded(fn, shared, (rhs,), data_spec=spec)
+
+
+@pytest.mark.parametrize(
+    "kind, scan",
+    [
+        ("S5", SCANS["sequential"]),
+        ("S5-bidirectional", SCANS["associative"]),
+        ("LRU", SCANS["associative"]),
+        ("S5Block", SCANS["sequential"]),
+    ],
+    ids=["S5-sequential", "S5-bidirectional-associative", "LRU-associative", "S5Block-sequential"],
+)
+def test_ssm_layers(kind, scan, getkey):
+    # the backends are covered by test_linear_recurrence; here the layers'
+    # own arithmetic (discretisation, projections, norms) around them
+    if kind == "LRU":
+        layer = eqx_seq.LRU(5, 8, scan=scan, key=getkey())
+    else:
+        bi = kind == "S5-bidirectional"
+        layer = eqx_seq.S5(5, 8, bidirectional=bi, scan=scan, key=getkey())
+        if kind == "S5Block":
+            layer = eqx_seq.S5Block(layer, key=getkey())
+    check_layer(layer, (jr.normal(getkey(), (4, 12, 5)),))
+
+
+@pytest.mark.parametrize("scan", SCANS.values(), ids=SCANS.keys())
+def test_tridiagonal_implicit(scan, getkey):
+    layer = eqx_seq.TridiagonalImplicit(3, scan=scan, key=getkey())
+    check_layer(layer, (jr.normal(getkey(), (4, 10, 3)),))
+
+
+@pytest.mark.parametrize(
+    "scan",
+    [
+        SCANS["sequential"],
+        # about a minute of compiling; the parallel filter's own branches
+        pytest.param(SCANS["associative"], marks=pytest.mark.slow),
+    ],
+    ids=SCANS.keys(),
+)
+def test_kalman_filter(scan, getkey):
+    # float32 and T > 33 so that the sequential filter tries its steady state; one
+    # device's sequences have missing entries and the other's do not, so the
+    # devices take different branches of the filter's `lax.cond`s
+    kf = eqx_seq.KalmanFilter(3, 2, scan=scan, dtype=jnp.float32, key=getkey())
+    ys = jr.normal(getkey(), (4, 40, 2), jnp.float32)
+    ys = ys.at[2, 5, 0].set(jnp.nan).at[3, 7:9].set(jnp.nan)
+    params, static = eqx.partition(kf, eqx.is_inexact_array)
+    # the log-likelihood with its gradient (Fisher's identity or the steady state,
+    # chosen per device); the filter and the smoother without
+    for method in ("log_likelihood", "filter", "smooth"):
+
+        def fn(params, ys, method=method):
+            out = jax.vmap(getattr(eqx.combine(params, static), method))(ys)
+            return out if method == "log_likelihood" else (out.means, out.covs)
+
+        check_sharded(fn, params, (ys,), rtol=2e-5, grad=method == "log_likelihood")
+
+
+@pytest.mark.parametrize("out_of_range", ["clip", "fill"])
+def test_embedding(out_of_range, getkey):
+    emb = eqx_seq.Embedding(20, 4, out_of_range=out_of_range, key=getkey())
+    ids = jr.randint(getkey(), (4, 6), -25, 25)  # some out of range
+    params, static = eqx.partition(emb, eqx.is_inexact_array)
+    fn = lambda p, ids: eqx.combine(p, static)(ids)
+    check_sharded(fn, params, (ids,), wrt_data=False)
