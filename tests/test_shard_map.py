@@ -131,6 +131,18 @@ def test_ssm_layers(kind, scan, getkey):
     check_layer(layer, (jr.normal(getkey(), (4, 12, 5)),))
 
 
+def test_s5_jacobians_and_streaming(getkey):
+    layer = eqx_seq.S5(5, 8, key=getkey())
+    params, static = eqx.partition(layer, eqx.is_inexact_array)
+
+    def fn(params, u):
+        layer = eqx.combine(params, static)
+        jac = jax.vmap(layer.parameter_jacobians)(u)
+        return jac.wrt_B, jac.wrt["log_step"], jax.vmap(layer.final_state)(u)
+
+    check_sharded(fn, params, (jr.normal(getkey(), (4, 12, 5)),), grad=False)
+
+
 @pytest.mark.parametrize("scan", SCANS.values(), ids=SCANS.keys())
 def test_tridiagonal_implicit(scan, getkey):
     layer = eqx_seq.TridiagonalImplicit(3, scan=scan, key=getkey())
