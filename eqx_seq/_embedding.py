@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import jax.random as jr
 from jaxtyping import Array, ArrayLike, Float, Inexact, Int, PRNGKeyArray
 
-from ._misc import check_positive_int
+from ._misc import check_positive_int, error_if_any
 
 
 _POLICIES = ("error", "clip", "fill")
@@ -30,9 +30,7 @@ class Embedding(eqx.Module):
     - `"error"` (default): raise at run time through `eqx.error_if` (works under
         `jax.jit`; `EQX_ON_ERROR` controls it). If the check is switched off, ids
         are clamped as with `"clip"`. Its cost is measured in
-        `benchmarks/bench_embedding.py`. Under `jax.shard_map` with its default
-        `check_vma=True` this fails to trace (equinox 0.13's `eqx.error_if` does
-        not support it yet): use `"clip"` or `"fill"` there.
+        `benchmarks/bench_embedding.py`. It also works under `jax.shard_map`.
     - `"clip"`: clamp to the nearest valid row (`-V - 3` gives row 0, `V + 3` the
         last row). The clamped row is what is looked up, so it also receives the
         gradient: forward and backward agree.
@@ -185,7 +183,7 @@ class Embedding(eqx.Module):
         V = self.num_embeddings
         rows = jnp.where(ids < 0, ids + V, ids)
         if self.out_of_range == "error":
-            rows = eqx.error_if(
+            rows = error_if_any(
                 rows,
                 (rows < 0) | (rows >= V),
                 f"eqx_seq.Embedding: an id is out of range for num_embeddings={V}: "

@@ -56,7 +56,7 @@ from jaxtyping import Array, ArrayLike, Float, PRNGKeyArray
 
 from . import _small_linalg as small_linalg
 from ._level_scan import level_scan
-from ._misc import check_positive_int, vary_like, zeros_like_inputs
+from ._misc import check_positive_int, error_if_any, vary_like, zeros_like_inputs
 from ._scan import AbstractScan, AssociativeScan, AutoScan
 
 
@@ -1532,7 +1532,7 @@ def _spd_factor(name: str, A: Array) -> Array:
     asymmetric = jnp.any(jnp.abs(A - _mT(A)) > tol)
     L = jnp.linalg.cholesky(_sym(A))
     bad = asymmetric | ~jnp.all(jnp.isfinite(L))
-    return eqx.error_if(
+    return error_if_any(
         L,
         bad,
         f"eqx_seq.KalmanFilter.from_matrices: `{name}` must be symmetric positive "

@@ -1,5 +1,6 @@
 """Small helpers shared by the layers."""
 
+import equinox as eqx
 import jax.numpy as jnp
 from jaxtyping import Array
 
@@ -35,3 +36,15 @@ def vary_like(x: Array, *inputs: Array) -> Array:
     inside the solve), so the closures are made to vary like the right-hand side.
     """
     return x + zeros_like_inputs((), x.dtype, *inputs)
+
+
+def error_if_any(x: Array, pred: Array, msg: str) -> Array:
+    """`x`, raising `msg` at run time (`eqx.error_if`) if any entry of `pred` is true.
+
+    The check runs on a scalar that is shared by all devices, then added (as a zero)
+    to `x`, so that it also traces under `jax.shard_map`: `eqx.error_if` on an
+    array that varies over the mesh does not (equinox 0.13). With `EQX_ON_ERROR=nan`
+    a floating `x` comes back NaN, as from `eqx.error_if`.
+    """
+    token = eqx.error_if(jnp.zeros((), x.dtype), jnp.any(pred), msg)
+    return x + token

@@ -35,7 +35,7 @@ import jax.lax as lax
 import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike, Inexact
 
-from ._misc import vary_like, zeros_like_inputs
+from ._misc import error_if_any, vary_like, zeros_like_inputs
 from ._scan import AbstractScan, AssociativeScan, AutoScan, SequentialScan
 
 
@@ -414,7 +414,7 @@ def _checked(l, d, u, r, x, *, axis: int, dominance: bool) -> Array:
         below = _shift(a_u, 1, axis, 0, down=True)  # |A[i-1, i]|
         above = _shift(a_l, 1, axis, 0, down=False)  # |A[i+1, i]|
         by_columns = jnp.all(a_d >= below + above, axis=axis)
-        x = eqx.error_if(
+        x = error_if_any(
             x,
             ~(by_rows | by_columns),
             "eqx_seq.tridiagonal_solve: a system is not diagonally dominant (by rows "
@@ -422,7 +422,7 @@ def _checked(l, d, u, r, x, *, axis: int, dominance: bool) -> Array:
             "`pivoting=True`, or build a dominant matrix (see "
             "eqx_seq.TridiagonalImplicit).",
         )
-    return eqx.error_if(
+    return error_if_any(
         x,
         ~jnp.all(jnp.isfinite(x)),
         "eqx_seq.tridiagonal_solve: the solution is not finite: a system is singular "

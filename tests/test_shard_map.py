@@ -106,6 +106,13 @@ def test_tridiagonal_solve(method, getkey):
     shared = (lower[:, :1], diag[:, :1], upper[:, :1])
     fn = lambda ldu, r: eqx_seq.tridiagonal_solve(*ldu, r, **kw)
     check_sharded(fn, shared, (rhs,), data_spec=spec)
+    if method == "sequential":
+        # the run-time check raises for a system that only the second device has
+        fn = lambda _, l, d, u, r: eqx_seq.tridiagonal_solve(l, d, u, r, check=True)
+        sharded = jax.shard_map(fn, mesh=_mesh(), in_specs=(P(),) + (spec,) * 4, out_specs=spec)
+        args = (lower, diag.at[4, 5].set(0.1), upper, rhs)
+        with pytest.raises(Exception, match="not diagonally dominant"):
+            jax.block_until_ready(eqx.filter_jit(sharded)(jnp.zeros(()), *args))
 
 
 @pytest.mark.parametrize(
@@ -177,10 +184,25 @@ def test_kalman_filter(scan, getkey):
         check_sharded(fn, params, (ys,), rtol=2e-5, grad=method == "log_likelihood")
 
 
-@pytest.mark.parametrize("out_of_range", ["clip", "fill"])
+@pytest.mark.parametrize("out_of_range", ["error", "clip", "fill"])
 def test_embedding(out_of_range, getkey):
     emb = eqx_seq.Embedding(20, 4, out_of_range=out_of_range, key=getkey())
-    ids = jr.randint(getkey(), (4, 6), -25, 25)  # some out of range
+    high = 20 if out_of_range == "error" else 25  # else some out of range
+    ids = jr.randint(getkey(), (4, 6), -high, high)
     params, static = eqx.partition(emb, eqx.is_inexact_array)
     fn = lambda p, ids: eqx.combine(p, static)(ids)
     check_sharded(fn, params, (ids,), wrt_data=False)
+    if out_of_range == "error":
+        # one out-of-range id, on the second device only, still raises
+        sharded = jax.shard_map(fn, mesh=_mesh(), in_specs=(P(), P("batch")), out_specs=P("batch"))
+        with pytest.raises(Exception, match="out of range"):
+            jax.block_until_ready(eqx.filter_jit(sharded)(params, ids.at[3, 2].set(20)))
+
+
+def test_language_model(getkey):
+    model = eqx_seq.LanguageModel(16, width=8, depth=1, state_size=4, key=getkey())
+    ids = jr.randint(getkey(), (4, 10), 0, 16)
+    params, static = eqx.partition(model, eqx.is_inexact_array)
+    fn = lambda p, ids: jax.vmap(eqx.combine(p, static))(ids)
+    # float32: the gradient is summed over the devices in another order
+    check_sharded(fn, params, (ids,), wrt_data=False, rtol=2e-5)
