@@ -726,7 +726,10 @@ def _smooth_sequential(model: _Model, filtered: KalmanFilterResult, recorded):
     T, n = filtered.means.shape
     dtype = filtered.means.dtype
     like = (filtered.means, model.F, *recorded)  # for `shard_map`
-    init = (zeros_like_inputs((n,), dtype, *like), zeros_like_inputs((n, n), dtype, *like))
+    init = (
+        zeros_like_inputs((n,), dtype, *like),
+        zeros_like_inputs((n, n), dtype, *like),
+    )
     if T == 1:
         r, N = init[0][None], init[1][None]
         G = jnp.zeros((0, n, n), dtype)

@@ -21,7 +21,10 @@ pytestmark = pytest.mark.skipif(
     jax.device_count() < 2, reason="needs two devices (conftest.py asks for them)"
 )
 
-SCANS = {"sequential": eqx_seq.SequentialScan(), "associative": eqx_seq.AssociativeScan()}
+SCANS = {
+    "sequential": eqx_seq.SequentialScan(),
+    "associative": eqx_seq.AssociativeScan(),
+}
 
 
 def _mesh() -> Mesh:
@@ -74,7 +77,9 @@ def check_layer(layer, data, **kwargs):
 def test_linear_recurrence(scan, shared_decay, getkey):
     b = jr.normal(getkey(), (4, 16, 3))
     h0 = jr.normal(getkey(), (4, 3))
-    a = jr.uniform(getkey(), (3,) if shared_decay else (4, 16, 3), minval=0.5, maxval=0.9)
+    a = jr.uniform(
+        getkey(), (3,) if shared_decay else (4, 16, 3), minval=0.5, maxval=0.9
+    )
     if shared_decay:
         fn = lambda a, b, h0: jax.vmap(
             lambda b, h0: eqx_seq.linear_recurrence(a, b, h0, scan=scan)
@@ -87,9 +92,7 @@ def test_linear_recurrence(scan, shared_decay, getkey):
         check_sharded(fn, jnp.zeros(()), (a, b, h0))
 
 
-@pytest.mark.parametrize(
-    "method", ["sequential", "associative", "pivoting"], ids=str
-)
+@pytest.mark.parametrize("method", ["sequential", "associative", "pivoting"], ids=str)
 def test_tridiagonal_solve(method, getkey):
     # time-major (n, systems): the systems are split over the devices
     n, systems = 9, 6
@@ -109,7 +112,9 @@ def test_tridiagonal_solve(method, getkey):
     if method == "sequential":
         # the run-time check raises for a system that only the second device has
         fn = lambda _, l, d, u, r: eqx_seq.tridiagonal_solve(l, d, u, r, check=True)
-        sharded = jax.shard_map(fn, mesh=_mesh(), in_specs=(P(),) + (spec,) * 4, out_specs=spec)
+        sharded = jax.shard_map(
+            fn, mesh=_mesh(), in_specs=(P(),) + (spec,) * 4, out_specs=spec
+        )
         args = (lower, diag.at[4, 5].set(0.1), upper, rhs)
         with pytest.raises(Exception, match="not diagonally dominant"):
             jax.block_until_ready(eqx.filter_jit(sharded)(jnp.zeros(()), *args))
@@ -123,7 +128,12 @@ def test_tridiagonal_solve(method, getkey):
         ("LRU", SCANS["associative"]),
         ("S5Block", SCANS["sequential"]),
     ],
-    ids=["S5-sequential", "S5-bidirectional-associative", "LRU-associative", "S5Block-sequential"],
+    ids=[
+        "S5-sequential",
+        "S5-bidirectional-associative",
+        "LRU-associative",
+        "S5Block-sequential",
+    ],
 )
 def test_ssm_layers(kind, scan, getkey):
     # the backends are covered by test_linear_recurrence; here the layers'
@@ -194,7 +204,9 @@ def test_embedding(out_of_range, getkey):
     check_sharded(fn, params, (ids,), wrt_data=False)
     if out_of_range == "error":
         # one out-of-range id, on the second device only, still raises
-        sharded = jax.shard_map(fn, mesh=_mesh(), in_specs=(P(), P("batch")), out_specs=P("batch"))
+        sharded = jax.shard_map(
+            fn, mesh=_mesh(), in_specs=(P(), P("batch")), out_specs=P("batch")
+        )
         with pytest.raises(Exception, match="out of range"):
             jax.block_until_ready(eqx.filter_jit(sharded)(params, ids.at[3, 2].set(20)))
 
