@@ -211,11 +211,11 @@ def ours(scan=None, axis=0, pivoting=False):
     return lambda a, b, c, d: eqx_seq.tridiagonal_solve(a, b, c, d, **kw)
 
 
-def over_devices(solve):
-    """`solve` on time-major data, its systems (axis 1) split over the CPU devices
-    with `jax.shard_map`: each device solves its share, on its own thread."""
+def over_devices(solve, systems_axis):
+    """`solve` with its systems (`systems_axis` of the 2-D inputs) split over the CPU
+    devices with `jax.shard_map`: each device solves its share, on its own thread."""
     mesh = Mesh(np.array(jax.devices()), ("systems",))
-    spec = P(None, "systems")
+    spec = P(None, "systems") if systems_axis == 1 else P("systems", None)
     sharded = jax.shard_map(solve, mesh=mesh, in_specs=(spec,) * 4, out_specs=spec)
     return sharded, lambda *xs: tuple(
         jax.device_put(x, NamedSharding(mesh, spec)) for x in xs
@@ -229,6 +229,7 @@ def grad_of(solve):
 
 ANCHOR = "jax.lax.linalg.tridiagonal_solve (gtsv)"
 SPLIT = f"eqx_seq Thomas, axis=0, shard_map x{DEVICES} CPU"
+SPLIT_LAST = f"eqx_seq Thomas, axis=-1, shard_map x{DEVICES} CPU"
 GRAD_SPLIT = f"grad: eqx_seq Thomas, axis=0, shard_map x{DEVICES}"
 NUMBA_SIMD = "Numba SIMD across systems, time-major, prange"
 
@@ -299,9 +300,11 @@ def run_dtype(dtype, batch, n, repeats, with_pcr):
         )
     split = batch % DEVICES == 0 and DEVICES > 1
     if split:
-        sharded, put = over_devices(ours(thomas, axis=0))
+        sharded, put = over_devices(ours(thomas, axis=0), systems_axis=1)
         tm_split = put(*tm_j)
         fwd[SPLIT] = ("tm", jax.jit(sharded), tm_split)
+        sharded_last, put_last = over_devices(ours(thomas, axis=-1), systems_axis=0)
+        fwd[SPLIT_LAST] = ("last", jax.jit(sharded_last), put_last(*last_j))
     programs = {name: (fn, args) for name, (_, fn, args) in fwd.items()}
     grads = {
         "grad: jax.lax.linalg.tridiagonal_solve": (grad_of(lax_gtsv), last_j),
