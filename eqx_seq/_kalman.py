@@ -725,10 +725,10 @@ def _smooth_sequential(model: _Model, filtered: KalmanFilterResult, recorded):
     Hw, ks, es, ss = recorded
     T, n = filtered.means.shape
     dtype = filtered.means.dtype
-    like = (filtered.means, model.F, *recorded)  # for `shard_map`
+    # varying, under `shard_map`, like the filtered means (which depend on everything)
     init = (
-        zeros_like_inputs((n,), dtype, *like),
-        zeros_like_inputs((n, n), dtype, *like),
+        zeros_like_inputs((n,), dtype, filtered.means),
+        zeros_like_inputs((n, n), dtype, filtered.means),
     )
     if T == 1:
         r, N = init[0][None], init[1][None]
@@ -829,8 +829,7 @@ def _run(kf: "KalmanFilter", ys: Array, us: Array | None, body):
         def either(L_R):
             def full():
                 W, logdet = _complete_whitening(L_R, T)
-                W = jnp.broadcast_to(W, (T, *W.shape[-2:]))
-                return vary_like(W, obs), vary_like(logdet, obs)  # for `shard_map`
+                return jnp.broadcast_to(W, (T, *W.shape[-2:])), logdet
 
             return lax.cond(complete, full, lambda: missing_whitening(L_R))
 

@@ -30,10 +30,11 @@ def vary_like(x: Array, *inputs: Array) -> Array:
     """`x`, varying under `jax.shard_map` over every mesh axis one of `inputs` varies
     over (`x` plus a zero scalar).
 
-    For arrays that a `lax.custom_linear_solve` closes over: with closures shared
-    by all devices (invariant) and a right-hand side per device, its gradient
-    failed to lower under `shard_map` in jax 0.10 (a `pvary` of a varying value
-    inside the solve), so the closures are made to vary like the right-hand side.
+    For parameters that meet per-device data inside JAX's own rules, where JAX
+    does not make them vary itself: the closures of a `lax.custom_linear_solve`
+    (whose gradient otherwise failed to lower under `shard_map` in jax 0.10: a
+    `pvary` of a varying value inside the solve), and operands of a `lax.cond` that
+    `vmap` turns into a select on a per-sequence predicate (the Kalman filter).
     """
     return x + zeros_like_inputs((), x.dtype, *inputs)
 
