@@ -118,7 +118,10 @@ def programs(T, H, P, batch, key):
             return jax.vmap(with_params(layer, params))(us)
 
         def loss(params, us, layer=layer):
-            return loss_of(forward(params, us))
+            # `layer` passed on: a bare `forward(params, us)` would find the loop's
+            # last `forward` when called, and time the associative layer's gradient
+            # in the "sequential" row (as every run before 2026-11-22 did)
+            return loss_of(forward(params, us, layer))
 
         out[f"{name}: forward"] = (forward, (params, us))
         out[f"{name}: grad"] = (jax.grad(loss), (params, us))
@@ -133,6 +136,17 @@ def programs(T, H, P, batch, key):
             )
             assert err < 1e-4, f"{name} disagrees with the plain S5: {err:.2e}"
             print(f"check: {name} forward = plain S5 forward (max rel. err {err:.1e})")
+        plain_grads = jax.jit(jax.grad(plain_loss))(params, us)
+        for name in ["sequential", "associative"]:
+            fn, args = out[f"{name}: grad"]
+            err = max(
+                float(jnp.linalg.norm(a - b) / jnp.linalg.norm(b))
+                for a, b in zip(jax.jit(fn)(*args), plain_grads)
+            )
+            assert err < 1e-3, f"{name} gradient disagrees with the plain S5: {err:.2e}"
+            print(
+                f"check: {name} grad = plain S5 grad (max rel. err {err:.1e}, by leaf)"
+            )
 
     return out, check
 

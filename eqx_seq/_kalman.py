@@ -56,7 +56,13 @@ from jaxtyping import Array, ArrayLike, Float, PRNGKeyArray
 
 from . import _small_linalg as small_linalg
 from ._level_scan import level_scan
-from ._misc import check_positive_int, error_if_any, vary_like, zeros_like_inputs
+from ._misc import (
+    check_positive_int,
+    error_if_any,
+    full_precision,
+    vary_like,
+    zeros_like_inputs,
+)
 from ._scan import AbstractScan, AssociativeScan, AutoScan
 
 
@@ -109,6 +115,7 @@ def _unfactor(L: Array) -> Array:
     return jnp.where(eye, jnp.log(jnp.where(eye, L, 1)), jnp.tril(L))
 
 
+@full_precision
 def _gram(L: Array) -> Array:
     return L @ _mT(L)
 
@@ -299,6 +306,7 @@ def _complete_update(m: Array, P: Array, y: Array, Hw: Array):
 
 
 @_complete_update.defjvp
+@full_precision
 def _complete_update_jvp(primals, tangents):
     # `@` here, not the loop body's broadcast products: 1.2x faster in reverse mode
     # (measured, n=16, p=8)
@@ -518,6 +526,7 @@ def _dense_recurrence(A: Array, z: Array, m: Array) -> Array:
 
 
 @_dense_recurrence.defjvp
+@full_precision
 def _dense_recurrence_jvp(primals, tangents):
     A, z, m = primals
     dA, dz, dm = tangents
@@ -845,6 +854,7 @@ def _whitened(W: Array, y: Array) -> Array:
     return jnp.einsum("ij,tj->ti" if W.ndim == 2 else "tij,tj->ti", W, y)
 
 
+@full_precision
 def _filter(kf: "KalmanFilter", ys: Array, us: Array | None) -> KalmanFilterResult:
     run = _filter_parallel if _uses_associative(kf.scan) else _filter_sequential
 
@@ -864,6 +874,7 @@ def _smoothed(model: _Model, c, y, obs, W, logdet, assoc: bool):
     return _smooth_sequential(model, filtered, recorded)
 
 
+@full_precision
 def _smooth(kf: "KalmanFilter", ys: Array, us: Array | None) -> KalmanSmootherResult:
     assoc = _uses_associative(kf.scan)
 
@@ -946,6 +957,7 @@ def _expected_log_joint(params, ys, us, static, obs, stats, whiten) -> Array:
     return ll - 0.5 * (num_obs * _LOG_2PI + quad) - jnp.sum(logdet)
 
 
+@full_precision
 def _fisher_log_likelihood(kf: "KalmanFilter", ys: Array, us: Array | None) -> Array:
     """The log-likelihood, differentiated by Fisher's identity (a custom JVP).
 
@@ -962,6 +974,7 @@ def _fisher_log_likelihood(kf: "KalmanFilter", ys: Array, us: Array | None) -> A
         return _filter(eqx.combine(params, static), ys, us).log_likelihood
 
     @log_likelihood.defjvp
+    @full_precision
     def log_likelihood_jvp(primals, tangents):
         params, ys, us = primals
         obs = ~jnp.isnan(ys)
@@ -1567,6 +1580,7 @@ def _log_likelihood_jit(kf: KalmanFilter, ys: Array, us: Array | None) -> Array:
 
 
 @eqx.filter_jit
+@full_precision
 def _sample_jit(kf: KalmanFilter, key, num_steps: int, us: Array | None):
     model = kf._model()
     n, p = kf.state_size, kf.obs_size

@@ -1,8 +1,16 @@
 """Small helpers shared by the layers."""
 
+import functools as ft
+from collections.abc import Callable
+from typing import TypeVar
+
 import equinox as eqx
+import jax
 import jax.numpy as jnp
 from jaxtyping import Array
+
+
+_F = TypeVar("_F", bound=Callable)
 
 
 def check_positive_int(name: str, value: object) -> None:
@@ -49,3 +57,25 @@ def error_if_any(x: Array, pred: Array, msg: str) -> Array:
     """
     token = eqx.error_if(jnp.zeros((), x.dtype), jnp.any(pred), msg)
     return x + token
+
+
+def full_precision(fn: _F) -> _F:
+    """`fn`, with the matrix products it traces at `jax.lax.Precision.HIGHEST`.
+
+    On GPUs and TPUs, JAX's default for float32 products is a faster, less precise
+    one (TF32 on NVIDIA GPUs, 10 bits of mantissa): fine for a network's
+    projections, not for a Kalman filter's covariance updates, whose float32
+    log-likelihood it took 20% off on an H100 (measured). The precision is fixed
+    when a product is traced, so this wraps every function that traces products
+    for the filter: its bodies, and the rules of its `jax.custom_jvp`s, which JAX
+    traces later, when it differentiates (outside any body). JAX's own derivative
+    rules for the linear algebra (Cholesky, triangular solves) already ask for
+    `HIGHEST`.
+    """
+
+    @ft.wraps(fn)
+    def wrapper(*args, **kwargs):
+        with jax.default_matmul_precision("highest"):
+            return fn(*args, **kwargs)
+
+    return wrapper

@@ -17,6 +17,8 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Inexact
 
+from ._misc import full_precision
+
 
 # Up to this size every entry is its own vector over the batch, so both functions
 # are elementwise arithmetic that XLA fuses into a few loops (measured at T = 10k,
@@ -114,6 +116,7 @@ def inverse_cholesky(A: Inexact[Array, "*batch n n"]) -> Inexact[Array, "*batch 
 
 
 @inverse_cholesky.defjvp
+@full_precision
 def _inverse_cholesky_jvp(primals, tangents):
     (A,), (dA,) = primals, tangents
     W = inverse_cholesky(A)

@@ -5,7 +5,8 @@ Three methods, picked by the `scan` backend and the `pivoting` flag:
 - Thomas (LU without pivoting) for [`eqx_seq.SequentialScan`][]: one sweep down and
   one back along the solve axis, every other axis vectorised. The systems are
   processed in blocks of `_BLOCK_BYTES` per row (1024 float32 / 512 float64
-  systems) so that the sweep's scratch stays in cache; the sweeps read their rows
+  systems) so that the sweep's scratch stays in cache (on CPU; on accelerators
+  one sweep runs over all the systems); the sweeps read their rows
   straight from the inputs and write straight into the output. When the solve axis
   is not the leading one, each block (never the whole array) is laid out time-major
   while it is in cache. `_over_blocks` is the one place where sweeps are blocked.
@@ -27,6 +28,7 @@ own solves (the transposed solve being the method run on `A^T`).
 """
 
 import functools as ft
+import math
 from typing import NamedTuple
 
 import equinox as eqx
@@ -264,8 +266,13 @@ def _thomas(
     `_Factors` of the matrix for `_lu_solve`.
     """
     full = jnp.broadcast_shapes(l.shape, d.shape, u.shape, r.shape)
-    block_bytes = _BLOCK_BYTES if block_bytes is None else block_bytes
-    block = max(1, block_bytes // r.dtype.itemsize)
+    if block_bytes is None:
+        block_bytes = _BLOCK_BYTES if jax.default_backend() == "cpu" else None
+    # no blocks on accelerators: each block is a loop of `n` steps, each step a
+    # kernel launch or more, so blocks of CPU size were 70x slower than one sweep
+    # over all the systems on an H100 (100k x 100, float32)
+    block = math.prod(full) if block_bytes is None else block_bytes // r.dtype.itemsize
+    block = max(1, block)
     ins = tuple(_as_pnq(x, axis, full) for x in (l, d, u, r))
     P, n, Q = ins[3].shape
     shapes = [(P, n, Q)]
