@@ -298,7 +298,9 @@ def run_dtype(dtype, batch, n, repeats, with_pcr):
             one_thread(time_major),
             tm,
         )
-    split = batch % DEVICES == 0 and DEVICES > 1
+    # CPU only: on an accelerator the mesh would be the one accelerator
+    cpu = jax.default_backend() == "cpu"
+    split = cpu and batch % DEVICES == 0 and DEVICES > 1
     if split:
         sharded, put = over_devices(ours(thomas, axis=0), systems_axis=1)
         tm_split = put(*tm_j)
