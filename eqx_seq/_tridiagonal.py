@@ -269,8 +269,8 @@ def _thomas(
     if block_bytes is None:
         block_bytes = _BLOCK_BYTES if jax.default_backend() == "cpu" else None
     # no blocks on accelerators: each block is a loop of `n` steps, each step a
-    # kernel launch or more, so blocks of CPU size were 70x slower than one sweep
-    # over all the systems on an H100 (100k x 100, float32)
+    # kernel launch or more, so blocks of CPU size were 85x slower than one sweep
+    # over all the systems on an H100 (100k x 100, float32: 254 vs 3.0 ms)
     block = math.prod(full) if block_bytes is None else block_bytes // r.dtype.itemsize
     block = max(1, block)
     ins = tuple(_as_pnq(x, axis, full) for x in (l, d, u, r))
@@ -513,7 +513,9 @@ def tridiagonal_solve(
         `jax.lax.linalg.tridiagonal_solve`, i.e. LAPACK `gtsv` with partial
         pivoting on CPU, for matrices that are not diagonally dominant. It moves
         `axis` last and materialises broadcast inputs (copies). Note that JAX's
-        batched GPU path (cuSPARSE `gtsv2StridedBatch`) does *not* pivot.
+        batched GPU path (cuSPARSE `gtsv2StridedBatch`) does *not* pivot. On a
+        GPU it is also the fastest method: on one H100 at 100k systems of size
+        100 it took 0.8 ms (float32) against 2.1 ms for PCR and 3.0 ms for Thomas.
 
     **Stability.** Without pivoting, Thomas and PCR are backward stable for
     matrices that are diagonally dominant by rows or by columns, symmetric positive
