@@ -6,6 +6,7 @@ derivatives are defined once, for every backend, in `eqx_seq.linear_recurrence`.
 """
 
 import abc
+import functools as ft
 
 import equinox as eqx
 import jax
@@ -13,7 +14,7 @@ import jax.lax as lax
 import jax.numpy as jnp
 from jaxtyping import Array, Inexact
 
-from ._misc import check_positive_int, zeros_like_inputs
+from ._misc import check_positive_int, vary_like, zeros_like_inputs
 
 
 class AbstractScan(eqx.Module):
@@ -54,7 +55,10 @@ class AbstractScan(eqx.Module):
 
 
 class SequentialScan(AbstractScan):
-    """One step after another with `jax.lax.scan`: `O(T)` depth and work.
+    """One step after another: `O(T)` depth and work.
+
+    A loop (`jax.lax.fori_loop`) that writes each state in place over a copy of `b`,
+    so that under `jax.vmap` the batch axis stays in front (no transposes).
 
     `AutoScan`'s choice on CPU: gradients 1.3-1.7x faster than `AssociativeScan` there,
     and much faster to compile (`benchmarks/README.md`). On a GPU every step costs
@@ -75,27 +79,61 @@ class SequentialScan(AbstractScan):
         *,
         reverse: bool = False,
     ) -> Inexact[Array, " T *S"]:
-        if a.ndim < b.ndim:
-
-            def step(h, b_t):
-                h = a * h + b_t
-                return h, h
-
-            xs = b
-        else:
-
-            def step(h, a_b_t):
-                a_t, b_t = a_b_t
-                h = a_t * h + b_t
-                return h, h
-
-            xs = (a, b)
         # the carry varies (under `shard_map`) wherever `a`, `b` or `h0` does
         init = zeros_like_inputs(b.shape[1:], b.dtype, a, b)
         if h0 is not None:
             init = init + h0
-        _, h = lax.scan(step, init, xs, reverse=reverse, unroll=self.unroll)
-        return h
+        return _in_place(a, b, init, reverse, self.unroll)
+
+
+def _stacked(a: Array, b: Array, init: Array, reverse: bool, unroll: int) -> Array:
+    """The states as `lax.scan` outputs: what differentiating `_in_place` traces."""
+    if a.ndim < b.ndim:
+
+        def step(h, b_t):
+            h = a * h + b_t
+            return h, h
+
+        xs = b
+    else:
+
+        def step(h, a_b_t):
+            a_t, b_t = a_b_t
+            h = a_t * h + b_t
+            return h, h
+
+        xs = (a, b)
+    return lax.scan(step, init, xs, reverse=reverse, unroll=unroll)[1]
+
+
+# The states overwrite a copy of `b` in a loop carry, one step at a time, instead of
+# being stacked as `lax.scan` outputs. Under `jax.vmap` (a batch of sequences) the
+# carry keeps the batch axis in front and each step reads and writes one strided
+# slice; stacked outputs made XLA transpose `b` and the states between batch-major
+# and time-major, and start from a zeroed buffer. Measured on CPU, `vmap` over 8
+# sequences of (4096, 32) complex64: forward 5.2 -> 2.8 ms, forward + adjoint
+# (`linear_recurrence`) 27.7 -> 6.7 ms, the same numbers. Autodiff traced through
+# this loop, though, copies the whole buffer at every step of the transposed loop
+# (75x slower at 4096 x 64), so its derivative is `_stacked`'s.
+@ft.partial(jax.custom_jvp, nondiff_argnums=(3, 4))
+def _in_place(a: Array, b: Array, init: Array, reverse: bool, unroll: int) -> Array:
+    T = b.shape[0]
+    time_varying = a.ndim == b.ndim
+
+    def step(i, carry):
+        h, out = carry
+        t = T - 1 - i if reverse else i
+        a_t = lax.dynamic_index_in_dim(a, t, keepdims=False) if time_varying else a
+        h = a_t * h + lax.dynamic_index_in_dim(out, t, keepdims=False)
+        return h, lax.dynamic_update_index_in_dim(out, h, t, 0)
+
+    out = vary_like(b, a, init)  # for `shard_map`: see `vary_like`
+    return lax.fori_loop(0, T, step, (init, out), unroll=unroll)[1]
+
+
+@_in_place.defjvp
+def _in_place_jvp(reverse, unroll, primals, tangents):
+    return jax.jvp(lambda *p: _stacked(*p, reverse, unroll), primals, tangents)
 
 
 def fold_initial_state(a: Array, b: Array, h0: Array, *, reverse: bool) -> Array:
