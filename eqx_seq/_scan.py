@@ -57,8 +57,9 @@ class AbstractScan(eqx.Module):
 class SequentialScan(AbstractScan):
     """One step after another: `O(T)` depth and work.
 
-    A loop (`jax.lax.fori_loop`) that writes each state in place over a copy of `b`,
-    so that under `jax.vmap` the batch axis stays in front (no transposes).
+    With `unroll=1` (the default), a loop that writes each state in place over a
+    copy of `b`, so that under `jax.vmap` the batch axis stays in front (no
+    transposes); with `unroll > 1`, `jax.lax.scan(..., unroll=unroll)`.
 
     `AutoScan`'s choice on CPU: gradients 1.3-1.7x faster than `AssociativeScan` there,
     and much faster to compile (`benchmarks/README.md`). On a GPU every step costs
@@ -83,7 +84,11 @@ class SequentialScan(AbstractScan):
         init = zeros_like_inputs(b.shape[1:], b.dtype, a, b)
         if h0 is not None:
             init = init + h0
-        return _in_place(a, b, init, reverse, self.unroll)
+        if self.unroll > 1:
+            # unrolled, the in-place loop made XLA copy the whole buffer at every
+            # step (140x slower at T=1024 on CPU)
+            return _stacked(a, b, init, reverse, self.unroll)
+        return _in_place(a, b, init, reverse)
 
 
 def _stacked(a: Array, b: Array, init: Array, reverse: bool, unroll: int) -> Array:
@@ -115,8 +120,8 @@ def _stacked(a: Array, b: Array, init: Array, reverse: bool, unroll: int) -> Arr
 # (`linear_recurrence`) 27.7 -> 6.7 ms, the same numbers. Autodiff traced through
 # this loop, though, copies the whole buffer at every step of the transposed loop
 # (75x slower at 4096 x 64), so its derivative is `_stacked`'s.
-@ft.partial(jax.custom_jvp, nondiff_argnums=(3, 4))
-def _in_place(a: Array, b: Array, init: Array, reverse: bool, unroll: int) -> Array:
+@ft.partial(jax.custom_jvp, nondiff_argnums=(3,))
+def _in_place(a: Array, b: Array, init: Array, reverse: bool) -> Array:
     T = b.shape[0]
     time_varying = a.ndim == b.ndim
 
@@ -128,12 +133,12 @@ def _in_place(a: Array, b: Array, init: Array, reverse: bool, unroll: int) -> Ar
         return h, lax.dynamic_update_index_in_dim(out, h, t, 0)
 
     out = vary_like(b, a, init)  # for `shard_map`: see `vary_like`
-    return lax.fori_loop(0, T, step, (init, out), unroll=unroll)[1]
+    return lax.fori_loop(0, T, step, (init, out))[1]
 
 
 @_in_place.defjvp
-def _in_place_jvp(reverse, unroll, primals, tangents):
-    return jax.jvp(lambda *p: _stacked(*p, reverse, unroll), primals, tangents)
+def _in_place_jvp(reverse, primals, tangents):
+    return jax.jvp(lambda *p: _stacked(*p, reverse, 1), primals, tangents)
 
 
 def fold_initial_state(a: Array, b: Array, h0: Array, *, reverse: bool) -> Array:
