@@ -61,8 +61,9 @@ class SequentialScan(AbstractScan):
     copy of `b`, so that under `jax.vmap` the batch axis stays in front (no
     transposes); with `unroll > 1`, `jax.lax.scan(..., unroll=unroll)`.
 
-    `AutoScan`'s choice on CPU: gradients 1.3-1.7x faster than `AssociativeScan` there,
-    and much faster to compile (`benchmarks/README.md`). On a GPU every step costs
+    `AutoScan`'s choice on CPU: forward passes 1.8-3.4x and gradients 1.6-4.9x
+    faster than `AssociativeScan` there (T=64-4096), and much faster to compile
+    (`benchmarks/README.md`). On a GPU every step costs
     kernel launches (about 20 us per step on an H100, where `unroll=16` was 12x
     faster than `unroll=1`); `AssociativeScan` is the choice there.
     """
@@ -190,9 +191,9 @@ class AutoScan(AbstractScan):
     The rule:
 
     - on CPU, [`eqx_seq.SequentialScan`][] (`unroll=1`) at every length. Measured in
-        `benchmarks/bench_recurrence.py` for T from 64 to 4096: forward passes within
-        10% of the associative scan up to T=1024 and 2x faster at 4096, gradients
-        1.3-1.7x faster, compilation 3-5x faster, and larger `unroll` slower;
+        `benchmarks/bench_recurrence.py` for T from 64 to 4096: forward passes
+        1.8-3.4x and gradients 1.6-4.9x faster than the associative scan's,
+        compilation 3-4x faster, and larger `unroll` slower;
     - on GPU and TPU, [`eqx_seq.AssociativeScan`][], whose `O(log T)` depth is what
         parallel hardware rewards. Measured on one H100 (jax 0.11.2): a sequential
         loop costs about 20 us per step there (kernel launches), so at T=1024 the
