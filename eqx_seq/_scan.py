@@ -193,7 +193,7 @@ class AutoScan(AbstractScan):
     - on CPU, [`eqx_seq.SequentialScan`][] (`unroll=1`) at every length. Measured in
         `benchmarks/bench_recurrence.py` for T from 64 to 4096: forward passes
         1.8-3.4x and gradients 1.6-4.9x faster than the associative scan's,
-        compilation 3-4x faster, and larger `unroll` slower;
+        compilation 2-4x faster, and larger `unroll` slower;
     - on GPU and TPU, [`eqx_seq.AssociativeScan`][], whose `O(log T)` depth is what
         parallel hardware rewards. Measured on one H100 (jax 0.11.2): a sequential
         loop costs about 20 us per step there (kernel launches), so at T=1024 the
