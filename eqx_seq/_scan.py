@@ -64,7 +64,7 @@ class SequentialScan(AbstractScan):
     `AutoScan`'s choice on CPU: forward passes 1.8-3.4x and gradients 1.6-4.9x
     faster than `AssociativeScan` there (T=64-4096), and much faster to compile
     (`benchmarks/README.md`). On a GPU every step costs
-    kernel launches (about 20 us per step on an H100, where `unroll=16` was 12x
+    kernel launches (about 15 us per step on an H100, where `unroll=16` was 10x
     faster than `unroll=1`); `AssociativeScan` is the choice there.
     """
 
@@ -196,8 +196,8 @@ class AutoScan(AbstractScan):
         compilation 2-4x faster, and larger `unroll` slower;
     - on GPU and TPU, [`eqx_seq.AssociativeScan`][], whose `O(log T)` depth is what
         parallel hardware rewards. Measured on one H100 (jax 0.11.2): a sequential
-        loop costs about 20 us per step there (kernel launches), so at T=1024 the
-        associative S5 forward took 0.2 ms and the sequential one 22 ms.
+        loop costs about 15 us per step there (kernel launches), so at T=1024 the
+        associative S5 forward took 0.17 ms and the sequential one 15 ms.
 
     The platform is `jax.default_backend()`, read at trace time.
     """
