@@ -810,6 +810,26 @@ def _prepare(kf: "KalmanFilter", ys: Array, us: Array | None):
     return model, c, y, obs
 
 
+@jax.custom_batching.custom_vmap
+def _all_observed(obs: Array) -> Array:
+    """Whether every entry of `obs` is true; under `jax.vmap`, over the whole batch.
+
+    The filter branches on this (`lax.cond`). A batched predicate would turn the
+    `cond` into a `select` that runs both branches for every sequence: under `vmap`
+    over 16 complete sequences (state 4, T=2000) the filter took 84 ms, against
+    4.5 ms for 16 separate calls. One unbatched answer for the batch keeps the
+    branch: a batch with any missing entry runs the exact filter for all its
+    sequences, which gives complete ones the same numbers to round-off.
+    """
+    return jnp.all(obs)
+
+
+@_all_observed.def_vmap
+def _all_observed_vmap(axis_size, in_batched, obs):
+    del axis_size, in_batched
+    return _all_observed(obs), False
+
+
 def _run(kf: "KalmanFilter", ys: Array, us: Array | None, body):
     """Prepare the data and call `body(model, c, y, obs, W, logdet, whiten)`.
 
@@ -824,7 +844,7 @@ def _run(kf: "KalmanFilter", ys: Array, us: Array | None, body):
     model, c, y, obs = _prepare(kf, ys, us)
     T = ys.shape[0]
     R_varies = _per_step(model.L_R, 2)
-    complete = jnp.all(obs)
+    complete = _all_observed(obs)
 
     def missing_whitening(L_R):
         return _whiten(L_R, obs, R_varies)

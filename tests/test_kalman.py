@@ -457,6 +457,52 @@ def test_jit_and_vmap_over_a_batch():
         np.testing.assert_allclose(ll, kf.log_likelihood(b), rtol=1e-12)
 
 
+def test_vmap_branches_once_for_the_batch():
+    """Under `vmap` the complete-data branch is taken for the whole batch or not at
+    all (`_all_observed` answers for the batch, so the `lax.cond` stays a branch
+    instead of a `select` that runs both). A batch with one missing entry runs the
+    exact filter for all its sequences: the same numbers, to round-off, as each
+    sequence alone (where a complete one settles into the steady state)."""
+    from eqx_seq import _kalman
+
+    rng = np.random.default_rng(14)
+    model = random_model(rng, 3, 2)
+    ys = simulate(rng, model, STEADY_T)
+    gappy = ys[::-1].copy()
+    gappy[40, 1] = np.nan
+    kf = build(model, eqx_seq.SequentialScan())
+    assert _settled(kf, jnp.asarray(ys))
+    obs = ~np.isnan(np.stack([ys, gappy]))
+    np.testing.assert_array_equal(jax.vmap(_kalman._all_observed)(obs), [False] * 2)
+    np.testing.assert_array_equal(
+        jax.vmap(jax.vmap(_kalman._all_observed))(
+            np.stack([obs, obs[:1].repeat(2, 0)])
+        ),
+        [[False] * 2] * 2,
+    )
+    assert bool(jax.vmap(_kalman._all_observed)(obs[:1].repeat(3, 0))[0])
+    params, static = eqx.partition(kf, eqx.is_inexact_array)
+
+    def ll(params, y):
+        return eqx.combine(params, static).log_likelihood(y)
+
+    tol = dict(rtol=1e-9, atol=1e-11)
+    for batch in ([ys, gappy], [ys, ys[::-1]]):
+        batch = jnp.asarray(np.stack(batch))
+        filtered = jax.vmap(kf.filter)(batch)
+        values, grads = jax.vmap(jax.value_and_grad(ll), in_axes=(None, 0))(
+            params, batch
+        )
+        for i, y in enumerate(batch):
+            alone = kf.filter(y)
+            np.testing.assert_allclose(filtered.means[i], alone.means, **tol)
+            np.testing.assert_allclose(filtered.covs[i], alone.covs, **tol)
+            value, grad = jax.value_and_grad(ll)(params, y)
+            np.testing.assert_allclose(values[i], value, **tol)
+            for g, h in zip(jax.tree.leaves(grads), jax.tree.leaves(grad)):
+                np.testing.assert_allclose(g[i], h, **tol)
+
+
 def test_bad_input(getkey):
     kf = eqx_seq.KalmanFilter(3, 2, key=getkey())
     with pytest.raises(ValueError, match="obs_size"):
