@@ -83,8 +83,19 @@ def machine() -> dict:
         "jax": jax.__version__,
         "python": platform.python_version(),
         "xla_flags": os.environ.get("XLA_FLAGS", ""),
+        # glibc's allocator settings change CPU timings of large arrays (see
+        # benchmarks/README.md, "Fresh pages"), so they go with the numbers
+        "malloc_env": {k: v for k, v in os.environ.items() if k.startswith("MALLOC_")},
         "commit": commit,
     }
+
+
+def allocator_line(info: dict) -> str:
+    """One line naming the glibc allocator settings of the run (from `machine()`)."""
+    env = info.get("malloc_env") or {}
+    if not env:
+        return "allocator: glibc defaults (large freed buffers go back to the OS)"
+    return "allocator: " + " ".join(f"{k}={v}" for k, v in sorted(env.items()))
 
 
 def write_json(path: str, payload: dict) -> None:

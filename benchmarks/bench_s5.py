@@ -33,7 +33,7 @@ import eqx_seq
 
 
 sys.path.insert(0, os.path.dirname(__file__))
-from _timing import machine, measure_many, write_json  # noqa: E402
+from _timing import allocator_line, machine, measure_many, write_json  # noqa: E402
 
 
 # --- the anchor: S5 as the reference implementation writes it --------------------
@@ -265,6 +265,7 @@ def main():
         f"machine: {info['cpu']} ({info['cores']} cores), {info['platform']}, "
         f"jax {info['jax']}"
     )
+    print(allocator_line(info))
     payload = {"machine": info, "H": H, "state_size": P, "batch": batch, "runs": {}}
     lengths = [256] if args.quick else [1024, 4096, 16384]
     key = jr.key(0)

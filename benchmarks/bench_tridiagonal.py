@@ -46,7 +46,7 @@ import eqx_seq  # noqa: E402
 
 
 sys.path.insert(0, os.path.dirname(__file__))
-from _timing import machine, measure_many, write_json  # noqa: E402
+from _timing import allocator_line, machine, measure_many, write_json  # noqa: E402
 
 
 try:
@@ -451,6 +451,7 @@ def main():
         f"machine: {info['cpu']} ({info['cores']} cores), {info['platform']}, "
         f"jax {info['jax']}, numba {numba.__version__ if numba else 'not installed'}"
     )
+    print(allocator_line(info))
     payload = {"machine": info, "batch": batch, "n": n, "runs": {}}
     for dtype, name in [(np.float32, "float32"), (np.float64, "float64")]:
         res = run_dtype(dtype, batch, n, args.repeats, with_pcr=not args.no_pcr)
