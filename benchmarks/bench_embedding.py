@@ -24,7 +24,7 @@ import eqx_seq
 
 
 sys.path.insert(0, os.path.dirname(__file__))
-from _timing import machine, measure_many, write_json  # noqa: E402
+from _timing import allocator_line, machine, measure_many, write_json  # noqa: E402
 
 
 def lookups(ids_ndim):
@@ -85,6 +85,7 @@ def main():
     print(
         f"machine: {info['cpu']} ({info['cores']} cores), {info['platform']}, jax {info['jax']}"
     )
+    print(allocator_line(info))
     w = jr.normal(jr.key(0), (V, D), jnp.float32)
     payload = {"machine": info, "vocab": V, "dim": D, "runs": {}}
     for shape in shapes:

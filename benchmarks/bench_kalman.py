@@ -42,7 +42,7 @@ import eqx_seq
 
 
 sys.path.insert(0, os.path.dirname(__file__))
-from _timing import machine, measure_many, write_json  # noqa: E402
+from _timing import allocator_line, machine, measure_many, write_json  # noqa: E402
 
 
 try:
@@ -175,6 +175,7 @@ def main():
         f"machine: {info['cpu']} ({info['cores']} cores), {info['platform']}, "
         f"jax {info['jax']}, float32"
     )
+    print(allocator_line(info))
     if lgssm_filter is None:
         print("dynamax not installed: its rows are skipped (pip install dynamax)")
     sizes = [(4, 2)] if args.quick else [(4, 2), (16, 8)]

@@ -27,7 +27,7 @@ import eqx_seq
 
 
 sys.path.insert(0, os.path.dirname(__file__))
-from _timing import machine, measure_many, write_json  # noqa: E402
+from _timing import allocator_line, machine, measure_many, write_json  # noqa: E402
 
 
 BACKENDS = {
@@ -171,6 +171,7 @@ def main():
     print(
         f"machine: {info['cpu']} ({info['cores']} cores), {info['platform']}, jax {info['jax']}"
     )
+    print(allocator_line(info))
     payload = {
         "machine": info,
         "state": N,
