@@ -998,9 +998,9 @@ def _fisher_log_likelihood(kf: "KalmanFilter", ys: Array, us: Array | None) -> A
     def log_likelihood_jvp(primals, tangents):
         params, ys, us = primals
         obs = ~jnp.isnan(ys)
-        # under `shard_map`, parameters that vary like the data (see `_prepare`):
-        # `vmap` of a `cond` on a per-sequence predicate evaluates both branches
-        # on operands that vary, which shared parameters traced in them would not
+        # under `shard_map`, parameters that vary like the data, as in `_prepare`,
+        # so that the gradients the branches below return have one type (without
+        # this the shard_map Kalman tests crash; checked 2026-11-22)
         data = (ys,) if us is None else (ys, us)
         params = jax.tree.map(lambda p: vary_like(p, *data), params)
 

@@ -41,8 +41,9 @@ def vary_like(x: Array, *inputs: Array) -> Array:
     For parameters that meet per-device data inside JAX's own rules, where JAX
     does not make them vary itself: the closures of a `lax.custom_linear_solve`
     (whose gradient otherwise failed to lower under `shard_map` in jax 0.10: a
-    `pvary` of a varying value inside the solve), and operands of a `lax.cond` that
-    `vmap` turns into a select on a per-sequence predicate (the Kalman filter).
+    `pvary` of a varying value inside the solve), and the Kalman filter's
+    parameters, so that every carry and `lax.cond` branch computed from them and
+    from per-device data has one type.
     """
     return x + zeros_like_inputs((), x.dtype, *inputs)
 
