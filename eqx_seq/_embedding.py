@@ -7,12 +7,36 @@ import jax
 import jax.lax as lax
 import jax.numpy as jnp
 import jax.random as jr
+import numpy as np
 from jaxtyping import Array, ArrayLike, Float, Inexact, Int, PRNGKeyArray
 
 from ._misc import check_positive_int, error_if_any
 
 
 _POLICIES = ("error", "clip", "fill")
+
+
+def _narrow(ids: ArrayLike, V: int) -> Array:
+    """`ids` as int32, each out-of-range id kept out of range.
+
+    Ids wider than 32 bits (int64 under x64, or NumPy's int64 without it) are first
+    clamped into `[-V - 1, V]`, which keeps every id's meaning (in range, or out of
+    range on the same side) where a plain cast would wrap it into range.
+    """
+    if not isinstance(ids, jax.Array):
+        ids = np.asarray(ids)
+        if np.issubdtype(ids.dtype, np.integer):
+            ids = np.clip(ids, max(-V - 1, np.iinfo(ids.dtype).min), V)
+    ids = jnp.asarray(ids)
+    if not jnp.issubdtype(ids.dtype, jnp.integer):
+        raise ValueError(
+            f"eqx_seq.Embedding needs integer ids, got dtype {ids.dtype}; "
+            "cast them, e.g. `ids.astype(jnp.int32)`."
+        )
+    info = jnp.iinfo(ids.dtype)
+    if info.min < -(2**31) or info.max > 2**31 - 1:
+        ids = jnp.clip(ids, max(-V - 1, info.min), V)
+    return ids.astype(jnp.int32)
 
 
 class Embedding(eqx.Module):
@@ -23,9 +47,11 @@ class Embedding(eqx.Module):
     all of it (`jnp.take`): the canonical gather that accelerators fuse (equinox
     issue 920). It also works when `vmap`-ed.
 
-    **Index semantics.** Ids are integers in `[-num_embeddings, num_embeddings)`;
-    a negative id counts from the end, as in NumPy (`-1` is the last row). Ids
-    outside that range are *out of range*, and handled by `out_of_range`:
+    **Index semantics.** Ids are integers of any width in
+    `[-num_embeddings, num_embeddings)`; a negative id counts from the end, as in
+    NumPy (`-1` is the last row). Ids outside that range (64-bit ones included,
+    which are never wrapped into range) are *out of range*, and handled by
+    `out_of_range`:
 
     - `"error"` (default): raise at run time through `eqx.error_if` (works under
         `jax.jit`; `EQX_ON_ERROR` controls it). If the check is switched off, ids
@@ -38,7 +64,7 @@ class Embedding(eqx.Module):
         gives it no gradient.
 
     **Padding.** With `padding_idx`, that row starts at zero and never receives a
-    gradient, neither through lookups nor through [`eqx_seq.Embedding.attend`][].
+    gradient, neither through lookups (an id clamped onto it included) nor through [`eqx_seq.Embedding.attend`][].
 
     **Frozen weights.** `Embedding.from_pretrained(weight, freeze=True)` wraps the
     weight in `jax.lax.stop_gradient` in every use, so its gradient is zero and an
@@ -179,9 +205,14 @@ class Embedding(eqx.Module):
         )
 
     def _rows(self, ids: Array) -> Array:
-        """Row numbers for `ids`: negatives wrapped once; checked under "error"."""
+        """The rows looked up for `ids` (int32): negatives wrapped once; checked
+        under "error"; clamped into `[0, V)` under "error" and "clip", so that the
+        padding test below sees the row really looked up; left out of range (the
+        fill) under "fill"."""
         V = self.num_embeddings
         rows = jnp.where(ids < 0, ids + V, ids)
+        if self.out_of_range == "fill":
+            return rows
         if self.out_of_range == "error":
             rows = error_if_any(
                 rows,
@@ -190,7 +221,7 @@ class Embedding(eqx.Module):
                 f"valid ids are in [-{V}, {V}). Use out_of_range='clip' or 'fill' to "
                 "accept such ids.",
             )
-        return rows
+        return jnp.clip(rows, 0, V - 1)
 
     def _table(self) -> Array:
         return lax.stop_gradient(self.weight) if self.frozen else self.weight
@@ -215,21 +246,14 @@ class Embedding(eqx.Module):
         `out_of_range="error"`.
         """
         del key
-        ids = jnp.asarray(ids)
-        if not jnp.issubdtype(ids.dtype, jnp.integer):
-            raise ValueError(
-                f"eqx_seq.Embedding needs integer ids, got dtype {ids.dtype}; "
-                "cast them, e.g. `ids.astype(jnp.int32)`."
-            )
-        if jnp.iinfo(ids.dtype).bits < 32:  # room for `ids + V` below
-            ids = ids.astype(jnp.int32)
+        ids = _narrow(ids, self.num_embeddings)
         rows = self._rows(ids)
         if self.out_of_range == "fill":
             # `take` wraps negative ids itself and fills rows outside [0, V)
             out = jnp.take(self._table(), ids, axis=0, mode="fill", fill_value=jnp.nan)
         else:
-            # "clip" is XLA's own gather semantics: one gather, no extra selects; its
-            # transpose scatter-adds into the same clamped rows
+            # already clamped: one gather, whose transpose scatter-adds into the
+            # same rows
             out = jnp.take(self._table(), rows, axis=0, mode="clip")
         if self.padding_idx is not None:
             is_padding = (rows == self.padding_idx)[..., None]

@@ -157,8 +157,11 @@ def _k_thomas(ins, outs, blk: _Block, *, unroll: int):
     def down(carry, i):
         e_prev, y_prev, outs = carry
         l_i, d_i, u_i, r_i = (blk.row(a, i) for a in ins)
+        # `lower[0]` and `upper[-1]` lie outside the matrix: never read them, so
+        # that whatever they hold (NaN included) cannot reach the solution
+        l_i = _inside(l_i, i != 0)
         inv = 1 / (d_i + l_i * e_prev)
-        e = -u_i * inv
+        e = -_inside(u_i, i != n - 1) * inv
         y = (r_i - l_i * y_prev) * inv
         if len(outs) == 2:
             outs = (outs[0], blk.put(outs[1], i, inv))
@@ -191,13 +194,14 @@ def _k_lu(ins, outs, blk: _Block, *, transpose: bool, unroll: int):
     n = b.shape[blk.axis]
     shape = jnp.broadcast_shapes(*(blk.row_shape(a) for a in ins))
     row = blk.row
-    e = lambda i: -row(u, i) * row(inv, i)
+    # as in `_k_thomas`, the entries outside the matrix are never read
+    e = lambda i: -_inside(row(u, i), i != n - 1) * row(inv, i)
 
     def down(y_prev, i):
         if transpose:
             y = row(b, i) + e(jnp.maximum(i - 1, 0)) * y_prev
         else:
-            y = (row(b, i) - row(l, i) * y_prev) * row(inv, i)
+            y = (row(b, i) - _inside(row(l, i), i != 0) * y_prev) * row(inv, i)
         return y, y
 
     zero = zeros_like_inputs(shape, b.dtype, *ins)
@@ -214,6 +218,11 @@ def _k_lu(ins, outs, blk: _Block, *, transpose: bool, unroll: int):
 
     _, out = lax.fori_loop(0, n, up, (zero, outs[0]), unroll=unroll)
     return (out,)
+
+
+def _inside(x: Array, inside) -> Array:
+    """`x` where the scalar predicate `inside` holds, else zero."""
+    return jnp.where(inside, x, jnp.zeros((), x.dtype))
 
 
 def _as_pnq(x: Array, axis: int, full: tuple[int, ...]) -> Array:
@@ -407,9 +416,11 @@ def _thomas_solve_jvp(axis, unroll, primals, tangents):
 
 def _pivoting_solve(l, d, u, r, *, axis: int) -> Array:
     full = r.shape
-    move = lambda x: jnp.moveaxis(jnp.broadcast_to(x, full), axis, -1)
+    # LAPACK and cuSPARSE have no half precision: solve those in float32
+    work = r.dtype if jnp.finfo(r.dtype).bits >= 32 else jnp.dtype(jnp.float32)
+    move = lambda x: jnp.moveaxis(jnp.broadcast_to(x, full), axis, -1).astype(work)
     x = lax.linalg.tridiagonal_solve(move(l), move(d), move(u), move(r)[..., None])
-    return jnp.moveaxis(x[..., 0], -1, axis)
+    return jnp.moveaxis(x[..., 0], -1, axis).astype(r.dtype)
 
 
 def _checked(l, d, u, r, x, *, axis: int, dominance: bool) -> Array:
@@ -546,7 +557,8 @@ def tridiagonal_solve(
     - `axis`: the axis along which the systems run (negative counts from the end),
         of the broadcast shape. Default 0: time-major, the package's convention.
     - `scan`: the backend, see above. Defaults to [`eqx_seq.AutoScan`][].
-    - `pivoting`: if `True`, solve with partial pivoting (LAPACK on CPU).
+    - `pivoting`: if `True`, solve with partial pivoting (LAPACK on CPU; half
+        precision is solved in float32 and returned in its own dtype).
     - `check`: if `True`, raise at run time (through `eqx.error_if`, so also under
         `jax.jit`) when a system is diagonally dominant neither by rows nor by
         columns (unless `pivoting`), or when the solution is not finite (a singular

@@ -1,0 +1,282 @@
+"""Bad and edge-case input: a clear error or a correct result, never a silent number.
+
+Each test here failed on the package before its fix (issue 18): silent wrong results,
+obscure errors from deep inside JAX, and an initialisation that ran out of memory.
+"""
+
+import math
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import jax.random as jr
+import numpy as np
+import pytest
+
+import eqx_seq
+
+
+# ------------------------------------------------------------ tridiagonal solves
+@pytest.mark.parametrize("bad", [jnp.nan, jnp.inf])
+@pytest.mark.parametrize(
+    "scan", [eqx_seq.SequentialScan(), eqx_seq.SequentialScan(unroll=2)]
+)
+def test_thomas_ignores_the_unused_corners(bad, scan):
+    # `lower[0]` and `upper[-1]` are outside the matrix: documented as ignored
+    n = 6
+    lower = jnp.full(n, -1.0).at[0].set(bad)
+    upper = jnp.full(n, -1.0).at[-1].set(bad)
+    diag = jnp.full(n, 4.0)
+    rhs = jnp.arange(1.0, n + 1)
+    dense = np.diag(np.full(n, 4.0)) - np.eye(n, k=1) - np.eye(n, k=-1)
+    expect = np.linalg.solve(dense, np.arange(1.0, n + 1))
+    x = eqx_seq.tridiagonal_solve(lower, diag, upper, rhs, scan=scan)
+    np.testing.assert_allclose(x, expect, rtol=1e-12)
+
+    def loss(lower, diag, upper, rhs):
+        return jnp.sum(
+            eqx_seq.tridiagonal_solve(lower, diag, upper, rhs, scan=scan) ** 2
+        )
+
+    grads = jax.grad(loss, argnums=(0, 1, 2, 3))(lower, diag, upper, rhs)
+    for g in grads:
+        assert jnp.all(jnp.isfinite(g))
+    # the ignored entries get no gradient; the others match the clean problem's
+    clean = jax.grad(loss, argnums=(0, 1, 2, 3))(
+        lower.at[0].set(0.0), diag, upper.at[-1].set(0.0), rhs
+    )
+    assert grads[0][0] == 0 and grads[2][-1] == 0
+    for g, c in zip(grads, clean):
+        np.testing.assert_allclose(g, c, rtol=1e-12, atol=1e-15)
+    # forward mode too
+    _, tangent = jax.jvp(loss, (lower, diag, upper, rhs), clean)
+    assert jnp.isfinite(tangent)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16])
+def test_tridiagonal_pivoting_in_half_precision(dtype):
+    # LAPACK has no half-precision gtsv: computed in float32, returned in `dtype`
+    n = 5
+    args = [jnp.full(n, v, dtype) for v in (0.3, 1.0, 2.0, 1.0)]
+    lo, di, up = (float(np.asarray(a[0], np.float64)) for a in args[:3])
+    dense = di * np.eye(n) + up * np.eye(n, k=1) + lo * np.eye(n, k=-1)
+    expect = np.linalg.solve(dense, np.ones(n))  # not diagonally dominant
+    x = eqx_seq.tridiagonal_solve(*args, pivoting=True)
+    assert x.dtype == dtype
+    np.testing.assert_allclose(np.asarray(x, np.float64), expect, rtol=2e-2)
+    g = jax.grad(lambda r: jnp.sum(eqx_seq.tridiagonal_solve(*args[:3], r, pivoting=True)))
+    assert g(args[3]).dtype == dtype
+
+
+# -------------------------------------------------------------------- embedding
+@pytest.mark.parametrize("padding_idx, bad_id", [(-1, 100), (0, -100)])
+def test_embedding_clip_onto_padding_gives_it_no_gradient(padding_idx, bad_id):
+    emb = eqx_seq.Embedding(
+        7, 3, padding_idx=padding_idx, out_of_range="clip", key=jr.key(0)
+    )
+    ids = jnp.array([1, bad_id, 2])
+    grad = eqx.filter_grad(lambda e: jnp.sum(e(ids) ** 2 + e(ids)))(emb)
+    assert jnp.all(grad.weight[padding_idx % 7] == 0)
+    # the row is still what is looked up: the padding row, zeros
+    np.testing.assert_array_equal(emb(ids)[1], jnp.zeros(3))
+    assert jnp.any(grad.weight[1] != 0)
+
+
+def test_embedding_ids_beyond_32_bits_under_x64():
+    emb = eqx_seq.Embedding(5, 2, key=jr.key(0))
+    big = jnp.array([1, 2**32 + 3], jnp.int64)
+    fill = eqx_seq.Embedding(weight=emb.weight, out_of_range="fill")
+    out = fill(big)
+    np.testing.assert_array_equal(out[0], emb.weight[1])
+    assert jnp.all(jnp.isnan(out[1]))
+    clip = eqx_seq.Embedding(weight=emb.weight, out_of_range="clip")
+    np.testing.assert_array_equal(clip(big)[1], emb.weight[4])
+    np.testing.assert_array_equal(clip(-big)[1], emb.weight[0])
+    with pytest.raises(RuntimeError, match="out of range"):
+        emb(big)
+    with pytest.raises(RuntimeError, match="out of range"):
+        emb(jnp.array([-(2**40)], jnp.int64))
+    # unsigned ids past the int32 range
+    np.testing.assert_array_equal(clip(jnp.array([2**32 - 1], jnp.uint32))[0], emb.weight[4])
+    with pytest.raises(RuntimeError, match="out of range"):
+        emb(jnp.array([2**31], jnp.uint32))
+
+
+def test_embedding_numpy_ids_beyond_32_bits_without_x64():
+    emb = eqx_seq.Embedding(5, 2, key=jr.key(0))
+    with jax.enable_x64(False):
+        with pytest.raises(RuntimeError, match="out of range"):
+            emb(np.array([2**32 + 1], np.int64))
+        clip = eqx_seq.Embedding(weight=emb.weight, out_of_range="clip")
+        np.testing.assert_array_equal(
+            clip(np.array([2**32 + 1, -(2**40)], np.int64)),
+            emb.weight[jnp.array([4, 0])],
+        )
+        fill = eqx_seq.Embedding(weight=emb.weight, out_of_range="fill")
+        assert jnp.all(jnp.isnan(fill(np.array([2**32 + 1], np.int64))))
+        with pytest.raises(RuntimeError, match="out of range"):
+            emb(2**40)
+
+
+# ----------------------------------------------------------------------- models
+@pytest.mark.parametrize("pooling", ["mean", "last"])
+def test_classifier_mask_hides_whatever_padded_steps_hold(pooling, getkey):
+    model = eqx_seq.SequenceClassifier(
+        2, 3, width=8, depth=1, state_size=4, pooling=pooling, key=getkey()
+    )
+    x = jr.normal(getkey(), (5, 2))
+    padded = jnp.concatenate([x, jnp.full((3, 2), jnp.nan)])
+    mask = jnp.arange(8) < 5
+    np.testing.assert_allclose(model(padded, mask=mask), model(x), rtol=1e-12)
+    grad = eqx.filter_grad(lambda m: jnp.sum(m(padded, mask=mask)))(model)
+    expect = eqx.filter_grad(lambda m: jnp.sum(m(x)))(model)
+    leaves = jax.tree.leaves(eqx.filter(grad, eqx.is_inexact_array))
+    for g, e in zip(leaves, jax.tree.leaves(eqx.filter(expect, eqx.is_inexact_array))):
+        np.testing.assert_allclose(g, e, rtol=1e-10, atol=1e-12)
+
+
+def test_classifier_all_false_mask_raises(getkey):
+    model = eqx_seq.SequenceClassifier(2, 3, width=8, depth=1, key=getkey())
+    x = jnp.ones((4, 2))
+    with pytest.raises(RuntimeError, match="no valid step"):
+        model(x, mask=jnp.zeros(4, bool))
+    with pytest.raises(RuntimeError, match="no valid step"):
+        jax.vmap(model)(jnp.ones((2, 4, 2)), mask=jnp.array([[True] * 4, [False] * 4]))
+
+
+@pytest.mark.parametrize("temperature", [math.nan, math.inf, -1.0, np.float32(np.nan)])
+def test_generate_rejects_bad_temperatures(temperature, getkey):
+    lm = eqx_seq.LanguageModel(11, width=8, depth=1, state_size=4, key=getkey())
+    with pytest.raises(ValueError, match="temperature"):
+        lm.generate(jnp.array([1]), 2, key=getkey(), temperature=temperature)
+    # traced (under the user's jit): a run-time error
+    gen = eqx.filter_jit(lambda t: lm.generate(jnp.array([1]), 2, key=jr.key(0), temperature=t))
+    with pytest.raises(RuntimeError, match="temperature"):
+        gen(jnp.asarray(temperature, jnp.float32))
+
+
+def test_generate_zero_temperature_traced_is_greedy(getkey):
+    lm = eqx_seq.LanguageModel(11, width=8, depth=1, state_size=4, key=getkey())
+    prompt = jnp.array([1, 2])
+    greedy = lm.generate(prompt, 4, key=jr.key(0), temperature=0.0)
+    traced = eqx.filter_jit(
+        lambda t: lm.generate(prompt, 4, key=jr.key(0), temperature=t)
+    )(jnp.asarray(0.0))
+    np.testing.assert_array_equal(greedy, traced)
+    # and greedy is the argmax of the parallel call's logits, token by token
+    ids = prompt
+    for token in greedy:
+        assert token == jnp.argmax(lm(ids)[-1])
+        ids = jnp.concatenate([ids, token[None]])
+
+
+def test_generate_eager_compiles_once(getkey):
+    lm = eqx_seq.LanguageModel(11, width=8, depth=1, state_size=4, key=getkey())
+    prompt = jnp.array([1, 2, 3])
+    lm.generate(prompt, 3, key=jr.key(0))  # warm-up
+    compiles = []
+    jax.monitoring.register_event_duration_secs_listener(
+        lambda event, *a, **k: compiles.append(event)
+        if event == "/jax/core/compile/backend_compile_duration"
+        else None
+    )
+    try:
+        for seed in range(3):
+            lm.generate(prompt, 3, key=jr.key(seed), temperature=0.5 + seed)
+    finally:
+        jax.monitoring.clear_event_listeners()
+    assert compiles == []
+
+
+# -------------------------------------------------------------------------- SSMs
+@pytest.mark.parametrize("bad", [0.0, -0.5, jnp.nan, jnp.inf])
+def test_s5_rejects_non_positive_dt(bad, getkey):
+    layer = eqx_seq.S5(2, 4, key=getkey())
+    u = jnp.ones((5, 2))
+    dt = jnp.ones(5).at[2].set(bad)
+    with pytest.raises(RuntimeError, match="dt"):
+        layer(u, dt=dt)
+    with pytest.raises(RuntimeError, match="dt"):
+        jax.jit(layer)(u, dt)
+    with pytest.raises(RuntimeError, match="dt"):
+        layer.step(layer.init_state(), u[0], dt=bad)
+    with pytest.raises(RuntimeError, match="dt"):
+        layer.final_state(u, dt=dt)
+
+
+def test_s5_step_dt_shape_is_checked(getkey):
+    layer = eqx_seq.S5(2, 4, key=getkey())
+    with pytest.raises(ValueError, match="`dt` in `step` must be a scalar"):
+        layer.step(layer.init_state(), jnp.ones(2), dt=jnp.ones(3))
+    # a scalar of shape (1,) is not a scalar either
+    with pytest.raises(ValueError, match="`dt` in `step` must be a scalar"):
+        layer.step(layer.init_state(), jnp.ones(2), dt=jnp.ones(1))
+
+
+@pytest.mark.parametrize(
+    "build",
+    [
+        lambda k: eqx_seq.S5(2, 4, dt_max=math.inf, key=k),
+        lambda k: eqx_seq.S5(2, 4, dt_min=math.inf, dt_max=math.inf, key=k),
+        lambda k: eqx_seq.S5(2, 4, step_rescale=math.inf, key=k),
+        lambda k: eqx_seq.S5(2, 4, step_rescale=math.nan, key=k),
+        lambda k: eqx_seq.LRU(2, 4, max_phase=math.inf, key=k),
+        lambda k: eqx_seq.LRU(2, 4, max_phase=math.nan, key=k),
+        lambda k: eqx_seq.TridiagonalImplicit(2, coupling_range=(1, math.inf), key=k),
+        lambda k: eqx_seq.TridiagonalImplicit(2, coupling_range=(0.1, math.nan), key=k),
+        lambda k: eqx_seq.S5Block(eqx_seq.LRU(2, 4, key=k), dropout=math.nan, key=k),
+    ],
+)
+def test_ranges_refuse_inf_and_nan(build, getkey):
+    with pytest.raises(ValueError, match="finite|must be"):
+        build(getkey())
+
+
+def test_s5_ensemble_by_filter_vmap(getkey):
+    keys = jr.split(getkey(), 3)
+    ensemble = eqx.filter_vmap(lambda k: eqx_seq.S5(3, 8, blocks=2, key=k))(keys)
+    u = jr.normal(getkey(), (10, 3))
+    out = eqx.filter_vmap(lambda layer: layer(u))(ensemble)
+    for i, k in enumerate(keys):
+        one = eqx_seq.S5(3, 8, blocks=2, key=k)
+        np.testing.assert_allclose(out[i], one(u), rtol=1e-10, atol=1e-12)
+    # bidirectional, without conjugate symmetry, and the LRU too
+    eqx.filter_vmap(
+        lambda k: eqx_seq.S5(3, 8, conj_sym=False, bidirectional=True, key=k)
+    )(keys)
+    eqx.filter_vmap(lambda k: eqx_seq.SequenceClassifier(1, 2, width=4, depth=1, state_size=4, key=k))(keys)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16, jnp.int32])
+def test_ssm_half_precision_is_refused_clearly(dtype, getkey):
+    for cls in (eqx_seq.S5, eqx_seq.LRU):
+        with pytest.raises(ValueError, match="float32 or float64"):
+            cls(2, 4, dtype=dtype, key=getkey())
+
+
+def test_ssm_half_precision_inputs_are_computed_in_the_parameters_dtype(getkey):
+    layer = eqx_seq.S5(2, 4, dtype=jnp.float32, key=getkey())
+    u = jr.normal(getkey(), (6, 2), jnp.float32)
+    y = layer(u.astype(jnp.bfloat16))
+    assert y.dtype == jnp.float32
+    np.testing.assert_allclose(y, layer(u.astype(jnp.bfloat16).astype(jnp.float32)))
+
+
+def test_s5_huge_hippo_block_is_refused_before_allocating(getkey):
+    with pytest.raises(ValueError, match="blocks="):
+        eqx_seq.S5(1, 2**15, key=getkey())
+    # the same state size in blocks is fine (and cheap)
+    layer = eqx_seq.S5(1, 2**12, blocks=2**6, key=getkey())
+    assert layer.num_states == 2**11
+
+
+# ----------------------------------------------------------------------- Kalman
+@pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16])
+def test_kalman_half_precision_is_refused_clearly(dtype):
+    with pytest.raises(ValueError, match="float32 or float64"):
+        eqx_seq.KalmanFilter(2, 1, dtype=dtype, key=jr.key(0))
+    eye = jnp.eye(2, dtype=dtype)
+    with pytest.raises(ValueError, match="float32 or float64"):
+        eqx_seq.KalmanFilter.from_matrices(
+            eye, eye[:1], eye, eye[:1, :1], jnp.zeros(2, dtype), eye
+        )
