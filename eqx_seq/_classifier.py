@@ -10,7 +10,7 @@ import jax.random as jr
 from jaxtyping import Array, ArrayLike, Bool, Float, PRNGKeyArray, Real
 
 from ._lru import LRU
-from ._misc import check_positive_int
+from ._misc import check_positive_int, error_if_any
 from ._s5 import S5
 from ._s5_block import S5Block
 from ._scan import AbstractScan, AutoScan
@@ -178,8 +178,10 @@ class SequenceClassifier(eqx.Module):
 
         - `x`: one sequence, shape `(T, in_features)`.
         - `mask`: optional `(T,)` booleans, `True` at valid steps, for sequences
-            padded at the end to a common length: pooling then uses valid steps only.
-            (With causal SSMs the valid steps never see the padding.)
+            padded at the end to a common length: the masked steps are read as
+            zeros (whatever they hold) and pooling uses valid steps only, so with
+            causal SSMs the logits are those of the unpadded sequence. A mask
+            without any valid step raises at run time (`eqx.error_if`).
         - `key`: for dropout.
 
         **Returns:**
@@ -194,20 +196,28 @@ class SequenceClassifier(eqx.Module):
                 "`jax.vmap` for a batch."
             )
         x = x.astype(self.encoder.weight.dtype)  # computed in the parameters' dtype
-        z = run_blocks(self.blocks, jax.vmap(self.encoder)(x), key)
-        if mask is None:
-            pooled = z[-1] if self.pooling == "last" else jnp.mean(z, axis=0)
-        else:
+        if mask is not None:
             mask = jnp.asarray(mask)
             if mask.shape != (x.shape[0],) or mask.dtype != jnp.bool_:
                 raise ValueError(
                     f"`mask` must be booleans of shape (T,) = ({x.shape[0]},), got "
                     f"{mask.dtype} of shape {mask.shape}."
                 )
-            if self.pooling == "last":
-                last = jnp.max(jnp.where(mask, jnp.arange(x.shape[0]), 0))
-                pooled = z[last]
-            else:
-                weights = mask.astype(z.dtype)
-                pooled = weights @ z / jnp.maximum(jnp.sum(weights), 1)
+            x = error_if_any(
+                x,
+                ~jnp.any(mask),
+                "eqx_seq.SequenceClassifier: the `mask` has no valid step, so there "
+                "is nothing to pool.",
+            )
+            # zeros at the masked steps, so that nothing they hold (NaN included)
+            # reaches the logits or the gradients
+            x = jnp.where(mask[:, None], x, jnp.zeros((), x.dtype))
+        z = run_blocks(self.blocks, jax.vmap(self.encoder)(x), key)
+        if mask is None:
+            pooled = z[-1] if self.pooling == "last" else jnp.mean(z, axis=0)
+        elif self.pooling == "last":
+            pooled = z[jnp.max(jnp.where(mask, jnp.arange(x.shape[0]), 0))]
+        else:
+            valid = jnp.where(mask[:, None], z, jnp.zeros((), z.dtype))
+            pooled = jnp.sum(valid, axis=0) / jnp.sum(mask).astype(z.dtype)
         return self.head(pooled)

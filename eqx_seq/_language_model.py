@@ -1,16 +1,17 @@
 """A causal language model: Embedding, S5/LRU blocks, tied output, generation."""
 
+import math
 from typing import Literal
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 import jax.random as jr
-from jaxtyping import Array, ArrayLike, Complex, Float, Int, PRNGKeyArray
+from jaxtyping import Array, ArrayLike, Complex, Float, Int, PRNGKeyArray, Real
 
 from ._classifier import make_blocks, run_blocks
 from ._embedding import Embedding
-from ._misc import check_positive_int
+from ._misc import check_positive_int, error_if_any
 from ._s5_block import S5Block
 from ._scan import AbstractScan, AutoScan
 
@@ -128,7 +129,7 @@ class LanguageModel(eqx.Module):
         num_tokens: int,
         *,
         key: PRNGKeyArray,
-        temperature: float = 1.0,
+        temperature: Real[ArrayLike, ""] = 1.0,
     ) -> Int[Array, " N"]:
         """Sample `num_tokens` tokens after `prompt` in step mode.
 
@@ -137,7 +138,8 @@ class LanguageModel(eqx.Module):
         - `prompt`: token ids, shape `(T,)`, `T >= 1`.
         - `num_tokens`: how many tokens to sample.
         - `key`: a `jax.random` key.
-        - `temperature`: divides the logits; `0` picks the most likely token.
+        - `temperature`: divides the logits; `0` picks the most likely token. A
+            finite number `>= 0`, which may be traced (no recompilation per value).
 
         **Returns:**
 
@@ -149,20 +151,43 @@ class LanguageModel(eqx.Module):
             raise ValueError(
                 f"`prompt` must have shape (T,), T >= 1, got {prompt.shape}."
             )
-        if temperature < 0:
-            raise ValueError(f"`temperature` must be >= 0, got {temperature}.")
-        state, logits = jax.lax.scan(
-            lambda s, t: self.step(s, t), self.init_state(), prompt
-        )
+        return _generate(self, prompt, num_tokens, key, _temperature(temperature))
 
-        def sample(carry, key):
-            state, logits = carry
-            if temperature == 0:
-                token = jnp.argmax(logits)
-            else:
-                token = jr.categorical(key, logits / temperature)
-            state, logits = self.step(state, token)
-            return (state, logits), token
 
-        _, tokens = jax.lax.scan(sample, (state, logits[-1]), jr.split(key, num_tokens))
-        return tokens
+_BAD_TEMPERATURE = "`temperature` must be finite and >= 0 (0 picks the likeliest token)"
+
+
+def _temperature(temperature: Real[ArrayLike, ""]) -> Real[Array, ""]:
+    """`temperature` as an array (one compilation for every value), checked: at once
+    when it is concrete, at run time (`eqx.error_if`) when it is traced."""
+    t = jnp.asarray(temperature)
+    if t.shape != () or not jnp.issubdtype(t.dtype, jnp.number):
+        raise ValueError(f"{_BAD_TEMPERATURE}; got {temperature!r}.")
+    try:
+        value = float(t)
+    except jax.errors.ConcretizationTypeError:
+        good = jnp.isfinite(t) & (t >= 0)
+        return error_if_any(t, ~good, f"eqx_seq.LanguageModel: {_BAD_TEMPERATURE}.")
+    if not (math.isfinite(value) and value >= 0):
+        raise ValueError(f"{_BAD_TEMPERATURE}; got {temperature!r}.")
+    return t
+
+
+@eqx.filter_jit
+def _generate(model: LanguageModel, prompt, num_tokens: int, key, temperature):
+    state, logits = jax.lax.scan(
+        lambda s, t: model.step(s, t), model.init_state(), prompt
+    )
+    temperature = temperature.astype(logits.dtype)
+    greedy = temperature == 0
+    scale = jnp.where(greedy, jnp.ones((), logits.dtype), temperature)
+
+    def sample(carry, key):
+        state, logits = carry
+        drawn = jr.categorical(key, logits / scale)
+        token = jnp.where(greedy, jnp.argmax(logits).astype(drawn.dtype), drawn)
+        state, logits = model.step(state, token)
+        return (state, logits), token
+
+    _, tokens = jax.lax.scan(sample, (state, logits[-1]), jr.split(key, num_tokens))
+    return tokens
