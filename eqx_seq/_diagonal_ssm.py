@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import jax.random as jr
 from jaxtyping import Array, ArrayLike, Complex, Float, PRNGKeyArray, Real
 
+from ._misc import error_if_any
 from ._recurrence import linear_recurrence
 from ._scan import AbstractScan
 
@@ -130,6 +131,11 @@ class AbstractDiagonalSSM(eqx.Module):
                 )
             if not jnp.issubdtype(dt.dtype, jnp.floating):
                 raise ValueError(f"`dt` must be real floating, got {dt.dtype}.")
+            dt = error_if_any(
+                dt,
+                ~(jnp.isfinite(dt) & (dt > 0)),
+                f"eqx_seq.{name}: every relative step `dt` must be finite and > 0.",
+            )
         if h0 is not None:
             if self.bidirectional:
                 raise ValueError(
@@ -207,7 +213,8 @@ class AbstractDiagonalSSM(eqx.Module):
             example: `jax.vmap` over a batch.
         - `dt`: optional relative step sizes, shape `(T,)`: `dt[t]` is the time from
             observation `t - 1` to `t` in units of the learned step (irregular
-            sampling). `None` means all ones.
+            sampling), finite and `> 0` (else a run-time error, `eqx.error_if`).
+            `None` means all ones.
         - `h0`: optional initial state, shape `(num_states,)` complex (causal
             layers only): continue from the state a previous chunk ended in.
         - `key`: ignored; for compatibility with the rest of the Equinox API.
@@ -280,6 +287,11 @@ class AbstractDiagonalSSM(eqx.Module):
         `(state, y_t)`: the new state and this step's output, shape `(input_size,)`.
         """
         u_t = jnp.asarray(u_t)
+        if dt is not None and jnp.shape(dt) != ():
+            raise ValueError(
+                f"`dt` in `step` must be a scalar (one relative step), got shape "
+                f"{jnp.shape(dt)}."
+            )
         dt_seq = None if dt is None else jnp.reshape(jnp.asarray(dt), (1,))
         if u_t.shape != (self.input_size,):
             raise ValueError(

@@ -57,6 +57,7 @@ from jaxtyping import Array, ArrayLike, Float, PRNGKeyArray
 from . import _small_linalg as small_linalg
 from ._level_scan import level_scan
 from ._misc import (
+    check_parameter_dtype,
     check_positive_int,
     error_if_any,
     full_precision,
@@ -1216,9 +1217,7 @@ class KalmanFilter(eqx.Module):
                 f"`control_size` must be a non-negative int, got {control_size!r}."
             )
         _check_scan(scan)
-        dtype = jnp.zeros(()).dtype if dtype is None else jnp.dtype(dtype)
-        if not jnp.issubdtype(dtype, jnp.floating):
-            raise ValueError(f"`dtype` must be a floating dtype, got {dtype}.")
+        dtype = check_parameter_dtype("KalmanFilter", dtype)
         n, p, c = state_size, obs_size, control_size
         kF, kH, kB = jr.split(key, 3)
         U, _ = jnp.linalg.qr(jr.normal(kF, (n, n), dtype))
@@ -1285,9 +1284,7 @@ class KalmanFilter(eqx.Module):
             dtype = jnp.result_type(*[v.dtype for v in given])
             if not jnp.issubdtype(dtype, jnp.floating):
                 dtype = jnp.zeros(()).dtype
-        dtype = jnp.dtype(dtype)
-        if not jnp.issubdtype(dtype, jnp.floating):
-            raise ValueError(f"`dtype` must be a floating dtype, got {dtype}.")
+        dtype = check_parameter_dtype("KalmanFilter", dtype)
         for k, v in arrays.items():
             if v is not None and not (
                 jnp.issubdtype(v.dtype, jnp.floating)

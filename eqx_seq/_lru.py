@@ -10,7 +10,7 @@ import jax.random as jr
 from jaxtyping import Array, Complex, Float, PRNGKeyArray
 
 from ._diagonal_ssm import AbstractDiagonalSSM
-from ._misc import check_positive_int
+from ._misc import check_parameter_dtype, check_positive_int, check_real
 from ._scan import AbstractScan, AutoScan
 
 
@@ -82,15 +82,15 @@ class LRU(AbstractDiagonalSSM):
         """
         check_positive_int("input_size", input_size)
         check_positive_int("state_size", state_size)
+        r_min, r_max = check_real("r_min", r_min), check_real("r_max", r_max)
         if not 0 <= r_min < r_max <= 1:
             raise ValueError(
                 f"Need 0 <= r_min < r_max <= 1, got r_min={r_min}, r_max={r_max}."
             )
-        if not max_phase > 0:
-            raise ValueError(f"`max_phase` must be positive, got {max_phase}.")
+        max_phase = check_real("max_phase", max_phase, positive=True)
         if not isinstance(scan, AbstractScan):
             raise ValueError(f"`scan` must be an `eqx_seq.AbstractScan`, got {scan!r}.")
-        dtype = jnp.zeros(()).dtype if dtype is None else jnp.dtype(dtype)
+        dtype = check_parameter_dtype("LRU", dtype)
         rkey, pkey, bkey, ckey, cbkey, dkey = jr.split(key, 6)
         # |λ|² uniform in [r_min², r_max²): λ uniform in area on the ring. Kept below
         # 1 so that γ = sqrt(1 - |λ|²) stays positive.

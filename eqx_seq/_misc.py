@@ -1,12 +1,14 @@
 """Small helpers shared by the layers."""
 
 import functools as ft
+import math
 from collections.abc import Callable
 from typing import TypeVar
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jaxtyping import Array
 
 
@@ -17,6 +19,32 @@ def check_positive_int(name: str, value: object) -> None:
     """Raise a `ValueError` naming `name` unless `value` is an int >= 1 (not a bool)."""
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"`{name}` must be a positive int, got {value!r}.")
+
+
+def check_real(name: str, value: object, *, positive: bool = False) -> float:
+    """`value` as a float; a `ValueError` naming `name` unless it is a finite real
+    number (and `> 0` if `positive`): `inf` and NaN pass plain comparisons."""
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.number)):
+        raise ValueError(f"`{name}` must be a real number, got {value!r}.")
+    value = float(value)
+    if not math.isfinite(value) or (positive and value <= 0):
+        kind = "a finite positive" if positive else "a finite"
+        raise ValueError(f"`{name}` must be {kind} number, got {value!r}.")
+    return value
+
+
+def check_parameter_dtype(layer: str, dtype) -> jnp.dtype:
+    """`dtype` (JAX's default float if `None`) if it is float32 or float64, else a
+    `ValueError` that says what to do: these layers factorise matrices (LAPACK has
+    no half precision) or recur in complex numbers (JAX has no complex half)."""
+    dtype = jnp.zeros(()).dtype if dtype is None else jnp.dtype(dtype)
+    if dtype not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.float64)):
+        raise ValueError(
+            f"`eqx_seq.{layer}` keeps its parameters in float32 or float64, got "
+            f"`dtype={dtype}`. For half precision, keep the layer in float32 and "
+            "give it half-precision inputs: they are computed in float32."
+        )
+    return dtype
 
 
 def zeros_like_inputs(shape: tuple[int, ...], dtype, *inputs: Array) -> Array:

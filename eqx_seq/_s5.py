@@ -10,9 +10,14 @@ import jax.random as jr
 import numpy as np
 from jaxtyping import Array, Complex, Float, PRNGKeyArray
 
-from ._diagonal_ssm import AbstractDiagonalSSM
-from ._misc import check_positive_int
+from ._diagonal_ssm import AbstractDiagonalSSM, complex_dtype
+from ._misc import check_parameter_dtype, check_positive_int, check_real
 from ._scan import AbstractScan, AutoScan
+
+
+# The largest HiPPO block S5 initialises: its dense eigendecomposition costs
+# memory in the square of the block size and time in the cube.
+_MAX_HIPPO_BLOCK = 4096
 
 
 def hippo_normal_eigens(size: int) -> tuple[np.ndarray, np.ndarray]:
@@ -148,36 +153,57 @@ class S5(AbstractDiagonalSSM):
             raise ValueError(
                 f'`discretisation` must be "zoh" or "bilinear", got {discretisation!r}.'
             )
-        if not 0 < dt_min <= dt_max:
+        dt_min = check_real("dt_min", dt_min, positive=True)
+        dt_max = check_real("dt_max", dt_max, positive=True)
+        if dt_min > dt_max:
             raise ValueError(
                 f"Need 0 < dt_min <= dt_max, got dt_min={dt_min}, dt_max={dt_max}."
             )
-        if not step_rescale > 0:
-            raise ValueError(f"`step_rescale` must be positive, got {step_rescale}.")
+        step_rescale = check_real("step_rescale", step_rescale, positive=True)
         if not isinstance(scan, AbstractScan):
             raise ValueError(f"`scan` must be an `eqx_seq.AbstractScan`, got {scan!r}.")
-        dtype = jnp.zeros(()).dtype if dtype is None else jnp.dtype(dtype)
+        dtype = check_parameter_dtype("S5", dtype)
+        block = state_size // blocks
+        if block > _MAX_HIPPO_BLOCK:
+            raise ValueError(
+                f"`eqx_seq.S5` initialises each of its `blocks` from the "
+                f"eigendecomposition of a dense HiPPO matrix of size state_size / "
+                f"blocks = {block}, whose memory grows with the square of that size "
+                f"and time with its cube; use `blocks=` so that blocks have at most "
+                f"{_MAX_HIPPO_BLOCK} states (e.g. blocks={-(-state_size // 256)})."
+            )
         eigenvalues, vectors = _block_diagonal_init(state_size, blocks, conj_sym)
         num_states = eigenvalues.shape[0]
-        block = state_size // blocks
         bkey, ckey, cbkey, dkey, skey = jr.split(key, 5)
+        # in JAX, not NumPy, from here on: the random draws may be traced (an
+        # ensemble of layers built under `eqx.filter_vmap`); the eigenvectors are
+        # constants
+        # drawn at JAX's default float whatever `dtype` is (the draws do not depend
+        # on it), projected in the matching complex dtype, then cast
+        cdtype = complex_dtype(jnp.zeros(()).dtype)
+        vectors = jnp.asarray(vectors, cdtype)
 
-        def to_pair(x):  # complex NumPy -> real (..., 2) array
-            return jnp.asarray(np.stack([x.real, x.imag], -1), dtype)
+        def to_pair(x):  # complex -> real (..., 2) array
+            return jnp.stack([x.real, x.imag], -1).astype(dtype)
+
+        def product(subscripts, real, complex_):
+            return jnp.einsum(
+                subscripts,
+                real.astype(cdtype),
+                complex_,
+                precision=lax.Precision.HIGHEST,
+            )
 
         # B̃ = V^{-1} B (V unitary: V^{-1} = V^H), block by block.
-        B = np.asarray(jr.normal(bkey, (blocks, block, input_size))) / math.sqrt(
-            input_size
-        )
-        B_tilde = np.einsum("kp,jkh->jph", vectors.conj(), B).reshape(
+        B = jr.normal(bkey, (blocks, block, input_size)) / math.sqrt(input_size)
+        B_tilde = product("jkh,kp->jph", B, vectors.conj()).reshape(
             num_states, input_size
         )
 
         def output_matrix(key):  # C̃ = C V, block by block
-            C = np.asarray(jr.normal(key, (input_size, blocks, block))) / math.sqrt(
-                state_size
-            )
-            return to_pair(np.einsum("hjk,kp->hjp", C, vectors).reshape(input_size, -1))
+            C = jr.normal(key, (input_size, blocks, block))
+            C = C / math.sqrt(state_size)
+            return to_pair(product("hjk,kp->hjp", C, vectors).reshape(input_size, -1))
 
         self.lambda_re = jnp.asarray(eigenvalues.real, dtype)
         self.lambda_im = jnp.asarray(eigenvalues.imag, dtype)
@@ -192,7 +218,7 @@ class S5(AbstractDiagonalSSM):
         self.C = output_matrix(ckey)
         self.C_backward = output_matrix(cbkey) if bidirectional else None
         self.D = jr.normal(dkey, (input_size,), dtype)
-        self.step_rescale = float(step_rescale)
+        self.step_rescale = step_rescale
         self.input_size = input_size
         self.state_size = state_size
         self.discretisation = discretisation

@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import jax.random as jr
 from jaxtyping import Array, ArrayLike, Float, PRNGKeyArray
 
-from ._misc import check_positive_int
+from ._misc import check_positive_int, check_real
 from ._scan import AbstractScan, AutoScan
 from ._tridiagonal import tridiagonal_solve
 
@@ -91,7 +91,9 @@ class TridiagonalImplicit(eqx.Module):
         """
         check_positive_int("channels", channels)
         low, high = coupling_range
-        if not 0 < low <= high:
+        low = check_real("coupling_range[0]", low, positive=True)
+        high = check_real("coupling_range[1]", high, positive=True)
+        if not low <= high:
             raise ValueError(
                 f"`coupling_range` must be (low, high) with 0 < low <= high, got "
                 f"{coupling_range!r}."

@@ -197,7 +197,7 @@ def test_s5_rejects_non_positive_dt(bad, getkey):
     with pytest.raises(RuntimeError, match="dt"):
         layer(u, dt=dt)
     with pytest.raises(RuntimeError, match="dt"):
-        jax.jit(layer)(u, dt)
+        eqx.filter_jit(layer)(u, dt=dt)
     with pytest.raises(RuntimeError, match="dt"):
         layer.step(layer.init_state(), u[0], dt=bad)
     with pytest.raises(RuntimeError, match="dt"):
