@@ -77,7 +77,8 @@ class LRU(AbstractDiagonalSSM):
         - `bidirectional`: add a second recurrence run backwards in time, with its own
             output matrix `C_backward` (non-causal; no step mode or `h0`).
         - `scan`: the recurrence backend, an [`eqx_seq.AbstractScan`][].
-        - `dtype`: the real parameter dtype (default: JAX's default float).
+        - `dtype`: the real parameter dtype, float32 or float64 (default: JAX's
+            default float). Half-precision inputs are computed in this dtype.
         - `key`: a `jax.random` key for the initialisation. (Keyword only.)
         """
         check_positive_int("input_size", input_size)

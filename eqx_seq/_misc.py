@@ -21,16 +21,30 @@ def check_positive_int(name: str, value: object) -> None:
         raise ValueError(f"`{name}` must be a positive int, got {value!r}.")
 
 
-def check_real(name: str, value: object, *, positive: bool = False) -> float:
+def check_real(
+    name: str, value: object, *, positive: bool = False, nonnegative: bool = False
+) -> float:
     """`value` as a float; a `ValueError` naming `name` unless it is a finite real
-    number (and `> 0` if `positive`): `inf` and NaN pass plain comparisons."""
-    if isinstance(value, bool) or not isinstance(value, (int, float, np.number)):
+    number (`> 0` if `positive`, `>= 0` if `nonnegative`): range checks written as
+    comparisons let `inf` through, and NaN too where they are negated."""
+    real = (int, float, np.integer, np.floating, np.ndarray, jax.Array)
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, real)
+        or np.shape(value) != ()
+        or jnp.iscomplexobj(value)
+    ):
         raise ValueError(f"`{name}` must be a real number, got {value!r}.")
     value = float(value)
-    if not math.isfinite(value) or (positive and value <= 0):
-        kind = "a finite positive" if positive else "a finite"
-        raise ValueError(f"`{name}` must be {kind} number, got {value!r}.")
-    return value
+    if positive and not value > 0:
+        kind = "a finite positive"
+    elif nonnegative and not value >= 0:
+        kind = "a finite non-negative"
+    elif not math.isfinite(value):
+        kind = "a finite"
+    else:
+        return value
+    raise ValueError(f"`{name}` must be {kind} number, got {value!r}.")
 
 
 def check_parameter_dtype(layer: str, dtype) -> jnp.dtype:

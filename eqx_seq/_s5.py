@@ -121,7 +121,8 @@ class S5(AbstractDiagonalSSM):
             states.
         - `blocks`: `J`, the number of blocks Λ is initialised with (block-diagonal
             eigenvectors). Must divide `state_size` (into even blocks with
-            `conj_sym`).
+            `conj_sym`), into blocks of at most 4096 states (each block's
+            initialisation is a dense eigendecomposition).
         - `discretisation`: `"zoh"` (zero-order hold) or `"bilinear"`.
         - `conj_sym`: keep half of the conjugate pairs and output `2 Re(C̃ h)`.
         - `clip_eigs`: clip the real parts of Λ to at most `-1e-4` in the forward pass
@@ -132,7 +133,8 @@ class S5(AbstractDiagonalSSM):
         - `step_rescale`: multiplies every step, e.g. `2.0` to run a layer trained at
             one sampling rate on data sampled at half the rate (zero-shot).
         - `scan`: the recurrence backend, an [`eqx_seq.AbstractScan`][].
-        - `dtype`: the real parameter dtype (default: JAX's default float).
+        - `dtype`: the real parameter dtype, float32 or float64 (default: JAX's
+            default float). Half-precision inputs are computed in this dtype.
         - `key`: a `jax.random` key for the initialisation. (Keyword only.)
         """
         check_positive_int("input_size", input_size)

@@ -6,6 +6,7 @@ import optax
 from jaxtyping import PyTree
 
 from ._diagonal_ssm import AbstractDiagonalSSM
+from ._misc import check_real
 
 
 def ssm_param_labels(model: PyTree) -> PyTree[str | None]:
@@ -90,6 +91,13 @@ def s5_optimizer(
     An `optax.GradientTransformation`; initialise it with
     `eqx.filter(model, eqx.is_inexact_array)`.
     """
+    for name, rate in [
+        ("learning_rate", learning_rate),
+        ("ssm_learning_rate", ssm_learning_rate),
+    ]:
+        if rate is not None and not callable(rate):
+            check_real(name, rate, nonnegative=True)
+    check_real("weight_decay", weight_decay, nonnegative=True)
     ssm = learning_rate if ssm_learning_rate is None else ssm_learning_rate
     return optax.multi_transform(
         {

@@ -280,3 +280,23 @@ def test_kalman_half_precision_is_refused_clearly(dtype):
         eqx_seq.KalmanFilter.from_matrices(
             eye, eye[:1], eye, eye[:1, :1], jnp.zeros(2, dtype), eye
         )
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(learning_rate=math.nan),
+        dict(learning_rate=-1e-3),
+        dict(learning_rate=1e-3, ssm_learning_rate=math.inf),
+        dict(learning_rate=1e-3, weight_decay=math.nan),
+        dict(learning_rate=jnp.array([1e-3, 1e-3])),
+    ],
+)
+def test_s5_optimizer_refuses_bad_rates(kwargs):
+    with pytest.raises(ValueError, match="must be"):
+        eqx_seq.s5_optimizer(**kwargs)
+
+
+def test_s5_optimizer_takes_scalar_arrays_and_schedules():
+    eqx_seq.s5_optimizer(jnp.asarray(1e-3), ssm_learning_rate=np.float32(1e-4))
+    eqx_seq.s5_optimizer(lambda step: 1e-3, weight_decay=0)
