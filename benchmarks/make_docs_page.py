@@ -50,7 +50,9 @@ def div(a, b):
 
 
 def table(headers, rows, left=1):
-    """Markdown table; the first `left` columns left-aligned, the others right."""
+    """Markdown table; `headers` one string, "a | b | c"; the first `left` columns
+    left-aligned, the others right-aligned."""
+    headers = headers.split(" | ")
     lines = [
         "| " + " | ".join(headers) + " |",
         "|" + "|".join([":---"] * left + ["---:"] * (len(headers) - left)) + "|",
@@ -114,7 +116,7 @@ def recurrence_tables(p):
         f"{p['batch']} by `jax.vmap`.",
         "",
     ]
-    out += table(["method", "ms", "x fwd", "speed-up", "first call s"], rows)
+    out += table("method | ms | x fwd | speed-up | first call s", rows)
     rows = []
     for T, r in sorted(p["runs"].items(), key=lambda kv: int(kv[0])):
         for b in BACKENDS:
@@ -138,18 +140,8 @@ def recurrence_tables(p):
             )
     out += ["Over T (ms; speed-ups against the seed and plain-assoc. autodiff):", ""]
     out += table(
-        [
-            "T",
-            "backend",
-            "fwd",
-            "grad",
-            "grad x fwd",
-            "`.wrt_a`",
-            "`.wrt_a` x fwd",
-            "`.wrt_a` vs seed",
-            "jacrev vs seed",
-            "grad vs plain assoc.",
-        ],
+        "T | backend | fwd | grad | grad x fwd | `.wrt_a` | `.wrt_a` x fwd | "
+        "`.wrt_a` vs seed | jacrev vs seed | grad vs plain assoc.",
         rows,
     )
     if "unroll_T1024" in p:
@@ -165,7 +157,7 @@ def recurrence_tables(p):
             for u, r in p["unroll_T1024"].items()
         ]
         out += ["`SequentialScan(unroll=...)` at T=1024 (ms):", ""]
-        out += table(["unroll", "fwd", "x unroll=1", "grad", "x unroll=1"], rows)
+        out += table("unroll | fwd | x unroll=1 | grad | x unroll=1", rows)
     return out
 
 
@@ -186,10 +178,7 @@ def recurrence_summary(p):
 def recurrence_plot(p, ax):
     Ts = sorted(p["runs"], key=int)
     x = [int(T) for T in Ts]
-    series = {
-        "seed (jacrev, plain assoc.)": SEED,
-        "plain assoc. grad": PLAIN_GRAD,
-    }
+    series = {"seed (jacrev, plain assoc.)": SEED, "plain assoc. grad": PLAIN_GRAD}
     for b in BACKENDS:
         series[f"{b}: grad"] = f"{b}: grad loss wrt (a, b, h0)"
         series[f"{b}: .wrt_a"] = f"{b}: recurrence_jacobians .wrt_a"
@@ -230,17 +219,8 @@ def s5_tables(p):
         "",
     ]
     out += table(
-        [
-            "T",
-            "layer",
-            "fwd ms",
-            "grad ms",
-            "grad x fwd",
-            "grad vs plain",
-            "grad peak MB",
-            "peak x plain",
-            "grad compile s",
-        ],
+        "T | layer | fwd ms | grad ms | grad x fwd | grad vs plain | grad peak MB | "
+        "peak x plain | grad compile s",
         rows,
     )
     rows = []
@@ -261,9 +241,7 @@ def s5_tables(p):
             )
     if rows:
         out += ["Final-state parameter Jacobians, one sequence:", ""]
-        out += table(
-            ["T", "method", "ms", "x fwd", "speed-up vs jacrev", "compile s"], rows
-        )
+        out += table("T | method | ms | x fwd | speed-up vs jacrev | compile s", rows)
     return out
 
 
@@ -330,16 +308,8 @@ def embedding_tables(p):
         "",
     ]
     return out + table(
-        [
-            "ids",
-            "variant",
-            "fwd ms",
-            "fwd vs take",
-            "grad ms",
-            "grad vs take",
-            "HLO fwd",
-            "HLO grad",
-        ],
+        "ids | variant | fwd ms | fwd vs take | grad ms | grad vs take | HLO fwd | "
+        "HLO grad",
         rows,
     )
 
@@ -388,20 +358,14 @@ def tridiagonal_tables(p):
         ]
         out += [f"Forward, {dtype}:", ""]
         out += table(
-            ["method", "layout", "ms", "vs gtsv", "vs Numba", "% floor", "rel. err"],
-            rows,
+            "method | layout | ms | vs gtsv | vs Numba | % floor | rel. err", rows
         )
         rows = [
-            [
-                f"`{r['name']}`",
-                ms(r["ms"]),
-                times(r["per_fwd"]),
-                times(1 / r["ratio"]),
-            ]
+            [f"`{r['name']}`", ms(r["ms"]), times(r["per_fwd"]), times(1 / r["ratio"])]
             for r in res["gradient"]
         ]
         out += [f"Gradient of `sum(x**2)` w.r.t. all four inputs, {dtype}:", ""]
-        out += table(["method", "ms", "x own fwd", "vs grad through gtsv"], rows)
+        out += table("method | ms | x own fwd | vs grad through gtsv", rows)
     if "accuracy" in p:
         methods = list(next(iter(p["accuracy"].values())))
         rows = [
@@ -413,7 +377,7 @@ def tridiagonal_tables(p):
             "system, median / worst:",
             "",
         ]
-        out += table(["matrices"] + methods, rows)
+        out += table(" | ".join(["matrices"] + methods), rows)
     return out
 
 
@@ -490,28 +454,14 @@ def kalman_tables(p):
         "",
     ]
     out += table(
-        [
-            "n/p",
-            "T",
-            "filter ms",
-            "filter vs dynamax",
-            "exact x fwd",
-            "grad x fwd",
-            "grad vs dynamax",
-            "smoother x fwd",
-            "smoother vs dynamax",
-            "parallel x fwd",
-            "parallel compile s",
-        ],
+        "n/p | T | filter ms | filter vs dynamax | exact x fwd | grad x fwd | "
+        "grad vs dynamax | smoother x fwd | smoother vs dynamax | parallel x fwd | "
+        "parallel compile s",
         rows,
     )
     out += ["All times (ms):", ""]
-    out += table(
-        ["n/p", "T"]
-        + [f"`{k}`" for k in KALMAN_COLUMNS]
-        + ["`ours: par filter`", "`ours: par (lax.assoc)`"],
-        full,
-    )
+    names = KALMAN_COLUMNS + ("ours: par filter", "ours: par (lax.assoc)")
+    out += table(" | ".join(["n/p", "T"] + [f"`{k}`" for k in names]), full)
     return out
 
 
@@ -642,7 +592,7 @@ def generic_tables(p):
                     walk(v, path + [k])
 
     walk({k: v for k, v in p.items() if k != "machine"}, [])
-    return table(["program", "ms"], rows or [[DASH, DASH]])
+    return table("program | ms", rows or [[DASH, DASH]])
 
 
 def load(results):
@@ -741,7 +691,7 @@ def render(results, out, plots=True):
             except KeyError:  # a quick run or an older layout: no headline
                 summary = DASH
             rows.append([spec["title"] if spec else bench, f"`{machine}`", summary])
-    lines += table(["benchmark", "machine", "headline"], rows, left=3)
+    lines += table("benchmark | machine | headline", rows, left=3)
     for bench, machines in data.items():
         spec = BENCHES.get(bench, {})
         lines += [f"## {spec.get('title', bench)}", ""]
