@@ -697,7 +697,9 @@ def render(results, out, plots=True):
         lines += [f"## {spec.get('title', bench)}", ""]
         lines += [f"`benchmarks/bench_{bench}.py`: {spec.get('what', '')}".rstrip(), ""]
         for machine, (path, payload) in machines.items():
-            rel = os.path.relpath(os.path.abspath(path), ROOT)
+            rel = os.path.abspath(path)
+            if rel.startswith(ROOT + os.sep):
+                rel = os.path.relpath(rel, ROOT)
             lines += [f"### {spec.get('title', bench)}: `{machine}`", ""]
             lines += [
                 f"Measured on {measured_on(payload['machine'])} From `{rel}`.",
