@@ -3,6 +3,7 @@
 import json
 import os
 import platform
+import re
 import statistics
 import subprocess
 import time
@@ -55,6 +56,31 @@ def measure_many(
     }
 
 
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+# words of a device kind that name the vendor or the line, not the model
+_VENDOR_WORDS = {"nvidia", "amd", "tesla", "geforce", "quadro", "radeon", "instinct"}
+
+
+def machine_slug() -> str:
+    """A short name for the machine, the folder of its results: `cpu-2core` (CPU,
+    by core count), `h100` (from the accelerator's device kind), `h100-x8` (several).
+    """
+    devices = jax.devices()
+    if devices[0].platform == "cpu":
+        return f"cpu-{os.cpu_count()}core"
+    words = re.findall(r"[a-z0-9]+", devices[0].device_kind.lower())
+    words = [w for w in words if w not in _VENDOR_WORDS] or [devices[0].platform]
+    # up to the first word with a digit: "h100" (80gb hbm3 dropped), "tpu-v4"
+    end = next((i for i, w in enumerate(words) if any(c.isdigit() for c in w)), 0)
+    slug = "-".join(words[: end + 1])
+    return slug if len(devices) == 1 else f"{slug}-x{len(devices)}"
+
+
+def results_path(name: str) -> str:
+    """The default JSON of a script: `benchmarks/results/<machine_slug()>/<name>.json`."""
+    return os.path.join(RESULTS, machine_slug(), f"{name}.json")
+
+
 def machine() -> dict:
     """What the numbers were measured on."""
     cpu = platform.processor() or platform.machine()
@@ -80,11 +106,13 @@ def machine() -> dict:
         "cores": os.cpu_count(),
         "platform": jax.default_backend(),
         "devices": [str(d) for d in jax.devices()],
+        "device_kind": jax.devices()[0].device_kind,
+        "slug": machine_slug(),
         "jax": jax.__version__,
         "python": platform.python_version(),
         "xla_flags": os.environ.get("XLA_FLAGS", ""),
         # glibc's allocator settings change CPU timings of large arrays (see
-        # benchmarks/README.md, "Fresh pages"), so they go with the numbers
+        # docs/faq.md), so they go with the numbers
         "malloc_env": {k: v for k, v in os.environ.items() if k.startswith("MALLOC_")},
         "commit": commit,
     }

@@ -24,7 +24,13 @@ import eqx_seq
 
 
 sys.path.insert(0, os.path.dirname(__file__))
-from _timing import allocator_line, machine, measure_many, write_json  # noqa: E402
+from _timing import (  # noqa: E402
+    allocator_line,
+    machine,
+    measure_many,
+    results_path,
+    write_json,
+)
 
 
 def lookups(ids_ndim):
@@ -76,7 +82,8 @@ def main():
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument(
         "--json",
-        default=os.path.join(os.path.dirname(__file__), "results", "embedding.json"),
+        default=results_path("embedding"),
+        help="default: results/<machine>/embedding.json",
     )
     args = parser.parse_args()
     V, D = (4000, 128) if args.quick else (32000, 512)

@@ -42,7 +42,13 @@ import eqx_seq
 
 
 sys.path.insert(0, os.path.dirname(__file__))
-from _timing import allocator_line, machine, measure_many, write_json  # noqa: E402
+from _timing import (  # noqa: E402
+    allocator_line,
+    machine,
+    measure_many,
+    results_path,
+    write_json,
+)
 
 
 try:
@@ -163,7 +169,8 @@ def main():
     parser.add_argument("--parallel-timeout", type=float, default=120)
     parser.add_argument(
         "--json",
-        default=os.path.join(os.path.dirname(__file__), "results", "kalman.json"),
+        default=results_path("kalman"),
+        help="default: results/<machine>/kalman.json",
     )
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()

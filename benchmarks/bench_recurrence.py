@@ -27,7 +27,13 @@ import eqx_seq
 
 
 sys.path.insert(0, os.path.dirname(__file__))
-from _timing import allocator_line, machine, measure_many, write_json  # noqa: E402
+from _timing import (  # noqa: E402
+    allocator_line,
+    machine,
+    measure_many,
+    results_path,
+    write_json,
+)
 
 
 BACKENDS = {
@@ -163,7 +169,8 @@ def main():
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument(
         "--json",
-        default=os.path.join(os.path.dirname(__file__), "results", "recurrence.json"),
+        default=results_path("recurrence"),
+        help="default: results/<machine>/recurrence.json",
     )
     args = parser.parse_args()
     N, batch = 64, 16

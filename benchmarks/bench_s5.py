@@ -33,7 +33,13 @@ import eqx_seq
 
 
 sys.path.insert(0, os.path.dirname(__file__))
-from _timing import allocator_line, machine, measure_many, write_json  # noqa: E402
+from _timing import (  # noqa: E402
+    allocator_line,
+    machine,
+    measure_many,
+    results_path,
+    write_json,
+)
 
 
 # --- the anchor: S5 as the reference implementation writes it --------------------
@@ -256,7 +262,9 @@ def main():
     parser.add_argument("--quick", action="store_true", help="T=256 only (smoke test)")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument(
-        "--json", default=os.path.join(os.path.dirname(__file__), "results", "s5.json")
+        "--json",
+        default=results_path("s5"),
+        help="default: results/<machine>/s5.json",
     )
     args = parser.parse_args()
     H, P, batch = 128, 64, 8

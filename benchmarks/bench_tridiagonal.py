@@ -46,7 +46,13 @@ import eqx_seq  # noqa: E402
 
 
 sys.path.insert(0, os.path.dirname(__file__))
-from _timing import allocator_line, machine, measure_many, write_json  # noqa: E402
+from _timing import (  # noqa: E402
+    allocator_line,
+    machine,
+    measure_many,
+    results_path,
+    write_json,
+)
 
 
 try:
@@ -442,7 +448,8 @@ def main():
     parser.add_argument("--no-pcr", action="store_true", help="skip the slow PCR row")
     parser.add_argument(
         "--json",
-        default=os.path.join(os.path.dirname(__file__), "results", "tridiagonal.json"),
+        default=results_path("tridiagonal"),
+        help="default: results/<machine>/tridiagonal.json",
     )
     args = parser.parse_args()
     batch, n = (10_000, 100) if args.quick else (100_000, 100)
