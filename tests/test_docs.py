@@ -19,7 +19,7 @@ import eqx_seq
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DOCS = os.path.join(ROOT, "docs")
-FENCE = re.compile(r"```python\n(.*?)```", re.DOTALL)
+FENCE = re.compile(r"```(?:python|py)\n(.*?)```", re.DOTALL)
 # a fenced block that only includes a file (`--8<-- "examples/x.py"`): the example
 # scripts, which tests/test_examples.py runs
 SNIPPET = re.compile(r'\s*--8<--\s+"[^"]+"\s*')
@@ -72,6 +72,16 @@ PUBLIC = {
     if not name.startswith("_")
     and not isinstance(getattr(eqx_seq, name), types.ModuleType)
 }
+
+
+def test_docs_show_every_public_name_in_python():
+    """What the README once showed layer by layer, the docs pages now show: every
+    public name is used in a Python block that the tests above run."""
+    code = "".join(b for page in PAGES for b in blocks(read(os.path.join(ROOT, page))))
+    missing = [name for name in PUBLIC if f"eqx_seq.{name}" not in code]
+    assert not missing, f"no Python block in docs/ uses {missing}"
+
+
 DOCUMENTED = [obj for obj in PUBLIC.values() if callable(obj)]
 
 
