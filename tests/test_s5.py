@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import eqx_seq
-from eqx_seq._s5 import hippo_normal_eigens
+from eqx_seq._ssm._s5 import hippo_normal_eigens
 
 
 SCANS = [eqx_seq.SequentialScan(), eqx_seq.AssociativeScan()]

@@ -13,8 +13,8 @@ import scipy.linalg
 from jax.test_util import check_grads
 
 import eqx_seq
-import eqx_seq._tridiagonal as tridiagonal_module
-from eqx_seq._tridiagonal import _lu_solve, _thomas
+import eqx_seq._tridiagonal_thomas as thomas_module
+from eqx_seq._tridiagonal_thomas import _lu_solve, _thomas
 
 
 BACKENDS = {
@@ -351,7 +351,7 @@ def test_factored_derivatives_in_blocks(
 ):
     # the Thomas path's jvp rule (factors kept, division-free tangent and adjoint
     # sweeps) in blocks of 3 systems, against autodiff through dense solves
-    monkeypatch.setattr(tridiagonal_module, "_BLOCK_BYTES", 3 * 16)
+    monkeypatch.setattr(thomas_module, "_BLOCK_BYTES", 3 * 16)
     rng = np.random.default_rng(11)
     full = np.broadcast_shapes(*shapes)
     draw = dominant(rng, full, complex_=complex_)

@@ -5,7 +5,7 @@ import jax
 import optax
 from jaxtyping import PyTree
 
-from ._diagonal_ssm import AbstractDiagonalSSM
+from ._base import AbstractDiagonalSSM
 
 
 def ssm_param_labels(model: PyTree) -> PyTree[str | None]:

@@ -7,10 +7,10 @@ import jax.numpy as jnp
 import jax.random as jr
 from jaxtyping import Array, ArrayLike, Bool, Float, PRNGKeyArray, Real
 
+from .._kalman import KalmanFilter
+from .._scan import AbstractScan, AutoScan
+from .._tridiagonal_implicit import TridiagonalImplicit
 from ._classifier import SequenceClassifier
-from ._kalman import KalmanFilter
-from ._scan import AbstractScan, AutoScan
-from ._tridiagonal_implicit import TridiagonalImplicit
 
 
 class DenoisingClassifier(eqx.Module):

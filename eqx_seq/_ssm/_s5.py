@@ -10,9 +10,9 @@ import jax.random as jr
 import numpy as np
 from jaxtyping import Array, Complex, Float, PRNGKeyArray
 
-from ._diagonal_ssm import AbstractDiagonalSSM
-from ._misc import check_positive_int
-from ._scan import AbstractScan, AutoScan
+from .._misc import check_positive_int
+from .._scan import AbstractScan, AutoScan
+from ._base import AbstractDiagonalSSM
 
 
 def hippo_normal_eigens(size: int) -> tuple[np.ndarray, np.ndarray]:

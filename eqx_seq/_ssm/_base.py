@@ -19,8 +19,8 @@ import jax.numpy as jnp
 import jax.random as jr
 from jaxtyping import Array, ArrayLike, Complex, Float, PRNGKeyArray, Real
 
-from ._recurrence import linear_recurrence
-from ._scan import AbstractScan
+from .._recurrence import linear_recurrence
+from .._scan import AbstractScan
 
 
 def complex_dtype(dtype) -> jnp.dtype:

@@ -8,11 +8,10 @@ import jax.numpy as jnp
 import jax.random as jr
 from jaxtyping import Array, ArrayLike, Complex, Float, Int, PRNGKeyArray
 
-from ._classifier import make_blocks, run_blocks
-from ._embedding import Embedding
-from ._misc import check_positive_int
-from ._s5_block import S5Block
-from ._scan import AbstractScan, AutoScan
+from .._embedding import Embedding
+from .._misc import check_positive_int
+from .._scan import AbstractScan, AutoScan
+from .._ssm._block import make_blocks, run_blocks, S5Block
 
 
 class LanguageModel(eqx.Module):
