@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import jax.random as jr
 from jaxtyping import Array, ArrayLike, Float, Inexact, Int, PRNGKeyArray
 
-from ._misc import check_positive_int, error_if_any
+from ._misc import check_positive_int, default_floating_dtype, error_if_any
 
 
 _POLICIES = ("error", "clip", "fill")
@@ -91,8 +91,8 @@ class Embedding(eqx.Module):
             may then be omitted (if given, they must match).
         - `dtype`: the compute dtype of lookups and `attend` (e.g. `jnp.bfloat16`
             over float32 weights); `None` computes in the weight's dtype.
-        - `param_dtype`: the storage dtype of the weight; defaults to float32, or
-            to `weight`'s dtype when `weight` is given.
+        - `param_dtype`: the storage dtype of the weight; defaults to JAX's default
+            floating dtype, or to `weight`'s dtype when `weight` is given.
         - `out_of_range`: `"error"`, `"clip"` or `"fill"`; see the class docstring.
         - `freeze`: if `True`, no gradient reaches the weight; see the class
             docstring.
@@ -111,7 +111,8 @@ class Embedding(eqx.Module):
                 )
             check_positive_int("num_embeddings", num_embeddings)
             check_positive_int("embedding_size", embedding_size)
-            param_dtype = jnp.float32 if param_dtype is None else param_dtype
+            if param_dtype is None:
+                param_dtype = default_floating_dtype()
             weight = jr.normal(key, (num_embeddings, embedding_size), param_dtype)
         else:
             weight = jnp.asarray(weight)

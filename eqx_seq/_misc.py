@@ -13,6 +13,14 @@ from jaxtyping import Array
 _F = TypeVar("_F", bound=Callable)
 
 
+def default_floating_dtype() -> jnp.dtype:
+    """JAX's default floating dtype: float64 under `jax_enable_x64`, else float32.
+
+    Every layer's parameters default to it, so that under x64 all layers agree.
+    """
+    return jnp.dtype(jnp.float64 if jax.config.jax_enable_x64 else jnp.float32)
+
+
 def check_positive_int(name: str, value: object) -> None:
     """Raise a `ValueError` naming `name` unless `value` is an int >= 1 (not a bool)."""
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:

@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import jax.random as jr
 from jaxtyping import Array, ArrayLike, Float, PRNGKeyArray
 
-from ._misc import check_positive_int
+from ._misc import check_positive_int, default_floating_dtype
 from ._scan import AbstractScan, AutoScan
 from ._tridiagonal import tridiagonal_solve
 
@@ -86,7 +86,7 @@ class TridiagonalImplicit(eqx.Module):
         - `coupling_range`: `(low, high)`, `0 < low <= high`: the initial couplings
             are log-uniform in this range across channels.
         - `scan`: the backend of [`eqx_seq.tridiagonal_solve`][].
-        - `dtype`: the parameters' dtype; float32 by default.
+        - `dtype`: the parameters' dtype; JAX's default floating dtype by default.
         - `key`: a `jax.random.key` for the initial couplings.
         """
         check_positive_int("channels", channels)
@@ -98,7 +98,7 @@ class TridiagonalImplicit(eqx.Module):
             )
         if not isinstance(scan, AbstractScan):
             raise ValueError(f"`scan` must be an `eqx_seq.AbstractScan`, got {scan!r}.")
-        dtype = jnp.float32 if dtype is None else jnp.dtype(dtype)
+        dtype = default_floating_dtype() if dtype is None else jnp.dtype(dtype)
         log_kappa = jr.uniform(
             key, (channels,), dtype, jnp.log(low).item(), jnp.log(high).item()
         )

@@ -110,7 +110,9 @@ def test_gradients(input_dependent, getkey):
 
 
 def test_vmap_jit_and_dtypes(getkey):
-    layer = eqx_seq.TridiagonalImplicit(4, input_dependent=True, key=getkey())
+    layer = eqx_seq.TridiagonalImplicit(
+        4, input_dependent=True, dtype=jnp.float32, key=getkey()
+    )
     layer = eqx.tree_at(
         lambda m: m.gate_weight, layer, 0.1 * jr.normal(getkey(), (4, 8))
     )

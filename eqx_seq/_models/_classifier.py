@@ -100,6 +100,7 @@ class SequenceClassifier(eqx.Module):
         self.head = eqx.nn.Linear(width, num_classes, dtype=dtype, key=hkey)
         self.pooling = pooling
 
+    @jax.named_scope("eqx_seq.SequenceClassifier")
     def __call__(
         self,
         x: Real[ArrayLike, " T F"],

@@ -3,6 +3,7 @@
 from typing import Literal
 
 import equinox as eqx
+import jax
 import jax.numpy as jnp
 import jax.random as jr
 from jaxtyping import Array, ArrayLike, Bool, Float, PRNGKeyArray, Real
@@ -102,6 +103,7 @@ class DenoisingClassifier(eqx.Module):
         """The denoised features the classifier sees, shape `(T, kalman_state_size)`."""
         return self.smoother(self.kalman(jnp.asarray(x)))
 
+    @jax.named_scope("eqx_seq.DenoisingClassifier")
     def __call__(
         self,
         x: Real[ArrayLike, " T F"],

@@ -65,7 +65,7 @@ class LanguageModel(eqx.Module):
         check_positive_int("vocab_size", vocab_size)
         check_positive_int("width", width)
         ekey, bkey = jr.split(key)
-        emb = Embedding(vocab_size, width, dtype=dtype, key=ekey)
+        emb = Embedding(vocab_size, width, param_dtype=dtype, key=ekey)
         # N(0, 1/width) rows: unit-scale logits through the tied output
         self.embedding = eqx.tree_at(lambda e: e.weight, emb, emb.weight / width**0.5)
         self.blocks = make_blocks(
@@ -85,6 +85,7 @@ class LanguageModel(eqx.Module):
         )
         self.norm = eqx.nn.LayerNorm(width, dtype=dtype)
 
+    @jax.named_scope("eqx_seq.LanguageModel")
     def __call__(
         self, ids: Int[ArrayLike, " T"], *, key: PRNGKeyArray | None = None
     ) -> Float[Array, " T V"]:

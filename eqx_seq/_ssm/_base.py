@@ -217,14 +217,15 @@ class AbstractDiagonalSSM(eqx.Module):
         The output sequence, shape `(T, input_size)`, real.
         """
         del key
-        u, dt, h0 = self._check_inputs(u, dt, h0, streaming=False)
-        u = u.astype(self._real_dtype(u))
-        drive = self._drive(u)
-        y = self._read_out(self.C, self._states(drive, dt, h0))
-        if self.C_backward is not None:
-            backward = self._states(drive, dt, None, reverse=True)
-            y = y + self._read_out(self.C_backward, backward)
-        return y + self.D.astype(u.dtype)[None] * u
+        with jax.named_scope(f"eqx_seq.{self._name()}"):
+            u, dt, h0 = self._check_inputs(u, dt, h0, streaming=False)
+            u = u.astype(self._real_dtype(u))
+            drive = self._drive(u)
+            y = self._read_out(self.C, self._states(drive, dt, h0))
+            if self.C_backward is not None:
+                backward = self._states(drive, dt, None, reverse=True)
+                y = y + self._read_out(self.C_backward, backward)
+            return y + self.D.astype(u.dtype)[None] * u
 
     def final_state(
         self,

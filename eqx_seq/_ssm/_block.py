@@ -125,6 +125,7 @@ class S5Block(eqx.Module):
     def _normalise(self, x: Array) -> Array:
         return jax.vmap(self.norm)(x) if x.ndim == 2 else self.norm(x)
 
+    @jax.named_scope("eqx_seq.S5Block")
     def __call__(
         self,
         x: Real[ArrayLike, " T H"],

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import jax.random as jr
 from jaxtyping import Array, Complex, Float, PRNGKeyArray
 
-from .._misc import check_positive_int
+from .._misc import check_positive_int, default_floating_dtype
 from .._scan import AbstractScan, AutoScan
 from ._base import AbstractDiagonalSSM
 
@@ -77,7 +77,7 @@ class LRU(AbstractDiagonalSSM):
         - `bidirectional`: add a second recurrence run backwards in time, with its own
             output matrix `C_backward` (non-causal; no step mode or `h0`).
         - `scan`: the recurrence backend, an [`eqx_seq.AbstractScan`][].
-        - `dtype`: the real parameter dtype (default: JAX's default float).
+        - `dtype`: the real parameter dtype (default: JAX's default floating dtype).
         - `key`: a `jax.random` key for the initialisation. (Keyword only.)
         """
         check_positive_int("input_size", input_size)
@@ -90,7 +90,7 @@ class LRU(AbstractDiagonalSSM):
             raise ValueError(f"`max_phase` must be positive, got {max_phase}.")
         if not isinstance(scan, AbstractScan):
             raise ValueError(f"`scan` must be an `eqx_seq.AbstractScan`, got {scan!r}.")
-        dtype = jnp.zeros(()).dtype if dtype is None else jnp.dtype(dtype)
+        dtype = default_floating_dtype() if dtype is None else jnp.dtype(dtype)
         rkey, pkey, bkey, ckey, cbkey, dkey = jr.split(key, 6)
         # |λ|² uniform in [r_min², r_max²): λ uniform in area on the ring. Kept below
         # 1 so that γ = sqrt(1 - |λ|²) stays positive.

@@ -10,7 +10,7 @@ import jax.random as jr
 import numpy as np
 from jaxtyping import Array, Complex, Float, PRNGKeyArray
 
-from .._misc import check_positive_int
+from .._misc import check_positive_int, default_floating_dtype
 from .._scan import AbstractScan, AutoScan
 from ._base import AbstractDiagonalSSM
 
@@ -127,7 +127,7 @@ class S5(AbstractDiagonalSSM):
         - `step_rescale`: multiplies every step, e.g. `2.0` to run a layer trained at
             one sampling rate on data sampled at half the rate (zero-shot).
         - `scan`: the recurrence backend, an [`eqx_seq.AbstractScan`][].
-        - `dtype`: the real parameter dtype (default: JAX's default float).
+        - `dtype`: the real parameter dtype (default: JAX's default floating dtype).
         - `key`: a `jax.random` key for the initialisation. (Keyword only.)
         """
         check_positive_int("input_size", input_size)
@@ -156,7 +156,7 @@ class S5(AbstractDiagonalSSM):
             raise ValueError(f"`step_rescale` must be positive, got {step_rescale}.")
         if not isinstance(scan, AbstractScan):
             raise ValueError(f"`scan` must be an `eqx_seq.AbstractScan`, got {scan!r}.")
-        dtype = jnp.zeros(()).dtype if dtype is None else jnp.dtype(dtype)
+        dtype = default_floating_dtype() if dtype is None else jnp.dtype(dtype)
         eigenvalues, vectors = _block_diagonal_init(state_size, blocks, conj_sym)
         num_states = eigenvalues.shape[0]
         block = state_size // blocks
