@@ -1,9 +1,6 @@
 """`eqx_seq.tridiagonal_solve` against SciPy and dense float64 references."""
 
 import itertools as it
-import os
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -447,29 +444,3 @@ def test_bad_input():
 
     with pytest.raises(ValueError, match="supports"):
         solve(ones, ones, ones, ones, scan=Other())
-
-
-@pytest.mark.slow
-def test_bench_tridiagonal_quick(tmp_path):
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": root}
-    out = subprocess.run(
-        [
-            sys.executable,
-            "benchmarks/bench_tridiagonal.py",
-            "--quick",
-            "--repeats",
-            "1",
-            "--json",
-            str(tmp_path / "t.json"),
-        ],
-        cwd=root,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert out.returncode == 0, out.stdout + out.stderr
-    assert "jax.lax.linalg.tridiagonal_solve (gtsv)" in out.stdout
-    assert "grad: eqx_seq Thomas, axis=0" in out.stdout
-    assert (tmp_path / "t.json").exists()
