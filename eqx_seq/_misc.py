@@ -74,7 +74,7 @@ def full_precision(fn: _F) -> _F:
     On GPUs and TPUs, JAX's default for float32 products is a faster, less precise
     one (TF32 on NVIDIA GPUs, 10 bits of mantissa): fine for a network's
     projections, not for a Kalman filter's covariance updates, whose float32
-    log-likelihood it took 20% off on an H100 (measured). The precision is fixed
+    log-likelihood it makes inaccurate (`docs/faq.md`, TF32). The precision is fixed
     when a product is traced, so this wraps every function that traces products
     for the filter: its bodies, and the rules of its `jax.custom_jvp`s, which JAX
     traces later, when it differentiates (outside any body). JAX's own derivative

@@ -1,4 +1,5 @@
-"""The diagonal linear recurrence `h_t = a_t * h_{t-1} + b_t` and its derivatives.
+"""The diagonal linear recurrence `h_t = a_t * h_{t-1} + b_t`, its derivatives, and
+the structured Jacobians of its time-invariant case.
 
 Derivatives are written by hand, once, for every backend:
 
@@ -125,8 +126,8 @@ def _recurrence_jvp(scan, reverse, primals, tangents):
 _recurrence.defjvp(_recurrence_jvp, symbolic_zeros=True)
 
 # Compiled as one program even when called eagerly: op-by-op dispatch of an
-# associative scan compiles dozens of small programs (seconds per new shape). Inside
-# a user's `jax.jit` this is simply inlined.
+# associative scan compiles dozens of small programs for every new shape. Inside a
+# user's `jax.jit` this is simply inlined.
 _compiled_recurrence = eqx.filter_jit(_recurrence)
 
 

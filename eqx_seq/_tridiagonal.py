@@ -1,30 +1,12 @@
 """Batched tridiagonal solves along any axis, differentiated implicitly.
 
-Three methods, picked by the `scan` backend and the `pivoting` flag:
-
-- Thomas (LU without pivoting) for [`eqx_seq.SequentialScan`][]: one sweep down and
-  one back along the solve axis, every other axis vectorised. The systems are
-  processed in blocks of `_BLOCK_BYTES` per row (1024 float32 / 512 float64
-  systems) so that the sweep's scratch stays in cache (on CPU; on accelerators
-  one sweep runs over all the systems); the sweeps read their rows
-  straight from the inputs and write straight into the output. When the solve axis
-  is not the leading one, each block (never the whole array) is laid out time-major
-  while it is in cache. `_over_blocks` is the one place where sweeps are blocked.
-- Parallel cyclic reduction (Hockney 1965; Hockney & Jesshope 1981) for
-  [`eqx_seq.AssociativeScan`][]: `ceil(log2 n)` rounds of elementwise updates with
-  shifts along the axis, so no transposes either.
-- LAPACK `gtsv` / cuSPARSE through `jax.lax.linalg.tridiagonal_solve` for
-  `pivoting=True`.
-
-Derivatives are implicit, never autodiff through the sweeps. Thomas has a
-`jax.custom_jvp` (`_thomas_solve`): its rule runs the primal sweeps once, keeping
-the reciprocals of the pivots (`A = L U`), and gets the tangent
-`x' = A^{-1}(r' - A' x)` from `jax.lax.custom_linear_solve` whose `solve` and
-`transpose_solve` are sweeps with those factors (`A^T = U^T L^T`; multiplications
-only). Reverse mode is then the primal pass, two division-free sweeps and
-elementwise products; forward mode one more pair of sweeps; the plain forward is
-untouched. PCR and `pivoting=True` use `jax.lax.custom_linear_solve` around their
-own solves (the transposed solve being the method run on `A^T`).
+The backend picks the method: Thomas for [`eqx_seq.SequentialScan`][] (sweeps over
+blocks of systems, `_tridiagonal_thomas.py`), parallel cyclic reduction for
+[`eqx_seq.AssociativeScan`][] (`_tridiagonal_pcr.py`), and
+`jax.lax.linalg.tridiagonal_solve` for `pivoting=True`. Derivatives are implicit,
+never autodiff through the sweeps: Thomas's `jax.custom_jvp` reuses the factors of
+its primal pass for the tangent and the adjoint, and the other two methods solve
+with `A^T` inside `jax.lax.custom_linear_solve`. See `docs/devdocs/tridiagonal.md`.
 """
 
 import functools as ft
@@ -172,32 +154,22 @@ def tridiagonal_solve(
 
     - [`eqx_seq.SequentialScan`][] (the `AutoScan` choice on CPU): the Thomas
         algorithm (Gaussian elimination without pivoting; Thomas 1949), `O(n)` per
-        system, vectorised across systems. It never transposes the whole array:
-        systems are swept in blocks of about a thousand so that the sweep's
-        scratch stays in cache, rows are read from the inputs and written to the
-        output in place, and when `axis` is not the leading axis each block is
-        laid out along `axis` while it is in cache. At 100k systems of size 100 on
-        CPU it was 3.4-4.7x faster than `jax.lax.linalg.tridiagonal_solve` on
-        time-major data (`axis=0`) and 1.4-2.0x on systems along the last axis
-        (`benchmarks/README.md`). XLA runs the sweeps on one thread; to use several
-        cores, split the systems over CPU devices with `jax.shard_map` (README,
-        "Several devices"). Sharded inputs without `shard_map` are slow: XLA's
-        automatic partitioner gathers the blocks.
+        system, swept over blocks of systems that stay in cache, never transposing
+        the whole array. XLA runs it on one thread; for several cores, split the
+        systems over CPU devices with `jax.shard_map`
+        (`docs/usage/several-devices.md`): sharded inputs without it are gathered.
     - [`eqx_seq.AssociativeScan`][] (the `AutoScan` choice on GPU/TPU): parallel
         cyclic reduction (PCR; Hockney 1965), `ceil(log2 n)` rounds of elementwise
-        updates with shifts along `axis`: `O(n log n)` work, `O(log n)` depth, for
-        a few long systems on parallel hardware. On CPU it is 10-20x slower than
-        Thomas. Chosen over the associative-scan form of Thomas (2x2 products for
-        the pivots), which inherits Thomas's pivots and so its failure on a tiny
-        leading pivot, where PCR stays accurate (measured in
-        `benchmarks/README.md`).
-    - `pivoting=True` (then `scan` is not used):
-        `jax.lax.linalg.tridiagonal_solve`, i.e. LAPACK `gtsv` with partial
-        pivoting on CPU, for matrices that are not diagonally dominant. It moves
-        `axis` last and materialises broadcast inputs (copies). Note that JAX's
-        batched GPU path (cuSPARSE `gtsv2StridedBatch`) does *not* pivot. On a
-        GPU it is also the fastest method: on one H100 at 100k systems of size
-        100 it took 0.8 ms (float32) against 2.1 ms for PCR and 3.0 ms for Thomas.
+        updates, `O(n log n)` work in `O(log n)` depth, for a few long systems on
+        parallel hardware.
+    - `pivoting=True` (then `scan` is not used): `jax.lax.linalg.tridiagonal_solve`,
+        LAPACK `gtsv` with partial pivoting on CPU, for matrices that are not
+        diagonally dominant; it moves `axis` last and copies broadcast inputs. On a
+        GPU it is the fastest method, but JAX's batched GPU path (cuSPARSE) does
+        *not* pivot.
+
+    `docs/devdocs/tridiagonal.md` explains the blocking and why PCR, not the
+    associative-scan form of Thomas.
 
     **Stability.** Without pivoting, Thomas and PCR are backward stable for
     matrices that are diagonally dominant by rows or by columns, symmetric positive
@@ -206,18 +178,11 @@ def tridiagonal_solve(
     [`eqx_seq.TridiagonalImplicit`][] builds dominant matrices by construction.
 
     **Derivatives** by implicit differentiation, for every method, w.r.t. all four
-    inputs: forward mode costs one more solve, $x' = A^{-1}(r' - A' x)$; reverse
-    mode one solve with $A^\top$ and elementwise products
-    ($\bar r = A^{-\top} \bar x$, $\bar{\text{diag}}_i = -\bar r_i x_i$,
-    $\bar{\text{lower}}_i = -\bar r_i x_{i-1}$,
-    $\bar{\text{upper}}_i = -\bar r_i x_{i+1}$). On the Thomas path these
-    solves reuse the factorisation of the primal pass (the reciprocals of the
-    pivots, $A = LU$, $A^\top = U^\top L^\top$): two sweeps of multiplications,
-    no divisions; measured, the gradient of `sum(x**2)` w.r.t. all four inputs
-    costs about 1.8-4.3x the forward on CPU (`benchmarks/README.md`). PCR and
-    `pivoting=True` solve with $A^\top$ from scratch. `jax.grad`, `jax.jacfwd`,
-    `jax.jacrev`, `jax.vmap`, `jax.jit` and higher orders all work. Complex dtypes
-    follow JAX's convention (plain transposes, no conjugation).
+    inputs: forward mode costs one more solve, $x' = A^{-1}(r' - A' x)$, reverse
+    mode one solve with $A^\top$ and elementwise products; the Thomas path reuses
+    the factors of its primal pass for both. `jax.grad`, `jax.jacfwd`, `jax.jacrev`,
+    `jax.vmap`, `jax.jit` and higher orders all work. Complex dtypes follow JAX's
+    convention (plain transposes, no conjugation).
 
     **Arguments:**
 

@@ -39,7 +39,7 @@ def _pcr(l, d, u, r, *, axis: int, transpose: bool) -> Array:
     `ceil(log2 n)` rounds every row is decoupled. Rows are kept scaled to a unit
     diagonal, so a round costs one reciprocal per row; rows outside the system act
     as identity rows. The rounds are a `fori_loop` (a dynamic shift): unrolled,
-    XLA fused them and recomputed earlier rounds, and compiled 2.5x slower.
+    XLA fused them, recomputed earlier rounds and compiled slower.
     """
     if transpose:
         l, u = _shift(u, 1, axis, 0, down=True), _shift(l, 1, axis, 0, down=False)

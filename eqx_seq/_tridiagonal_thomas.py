@@ -13,14 +13,9 @@ from jaxtyping import Array
 from ._misc import zeros_like_inputs
 
 
-# Systems per block on the Thomas path, as bytes of one row of a block: 1024
-# float32 / 512 float64 systems. Measured on a 2-core CPU at 100k x 100: once the
-# sweeps read their rows straight from the inputs and write straight into the
-# output (that, not the block size, took float64 from 1.8x to about 1.3x Numba's
-# single-threaded time), rows of 2-32 KiB were within 10% of each other, 4 KiB
-# slightly ahead time-major. Small problems are blocked too: at 10k x 100 blocks
-# were 1.2x (time-major) to 2.2x (last axis, float64) faster than one sweep over
-# everything.
+# Systems per block on the Thomas path, as bytes of one row of a block (1024 float32
+# / 512 float64 systems): a block's scratch stays in cache, and the timing is flat
+# around this size (docs/devdocs/tridiagonal.md, "Blocking").
 _BLOCK_BYTES = 4096
 
 
@@ -70,8 +65,8 @@ def _over_blocks(kernel, ins, out_shapes, dtype, *, block: int):
     The one place where the Thomas-type sweeps are blocked. Time-major data
     (`P == 1`): blocks of columns, read and written in place. Otherwise blocks of
     `block // Q` (at least one) leading indices, each laid out time-major
-    (`moveaxis`) while it is in cache: never the whole array. (Reading such blocks
-    in place with strides measured 1.35x slower at 100k x 100.)
+    (`moveaxis`) while it is in cache: never the whole array (faster than reading
+    such blocks in place with strides).
     """
     P = max(a.shape[0] for a in ins)
     Q = max(a.shape[2] for a in ins)
@@ -241,8 +236,7 @@ def _thomas(
     if block_bytes is None:
         block_bytes = _BLOCK_BYTES if jax.default_backend() == "cpu" else None
     # no blocks on accelerators: each block is a loop of `n` steps, each step a
-    # kernel launch or more, so blocks of CPU size were 85x slower than one sweep
-    # over all the systems on an H100 (100k x 100, float32: 254 vs 3.0 ms)
+    # kernel launch or more, so one sweep over all the systems is much faster
     block = math.prod(full) if block_bytes is None else block_bytes // r.dtype.itemsize
     block = max(1, block)
     ins = tuple(_as_pnq(x, axis, full) for x in (l, d, u, r))

@@ -156,9 +156,7 @@ class AbstractDiagonalSSM(eqx.Module):
     # ------------------------------------------------------------------- pieces
 
     # Both projections are one real matmul with the real and imaginary parts side by
-    # side. On CPU (T=1024, H=128, 32 states, batch 8) that made the readout 2x
-    # faster forward and 3x faster backward than two real matmuls, and the layer's
-    # gradient 2.4x faster (112 -> 46 ms); a complex matmul was slower than both.
+    # side: faster than two real matmuls or one complex one (benchmarks/bench_s5.py).
 
     def _drive(self, u: Array) -> Array:
         """`B u_t` for every step: `(..., P)` complex."""
