@@ -2,37 +2,37 @@
 
 import importlib.metadata
 
-from ._classifier import SequenceClassifier as SequenceClassifier
-from ._denoising_classifier import DenoisingClassifier as DenoisingClassifier
-from ._diagonal_ssm import (
-    AbstractDiagonalSSM as AbstractDiagonalSSM,
-    SSMJacobians as SSMJacobians,
-)
 from ._embedding import Embedding as Embedding
-from ._jacobians import (
-    recurrence_jacobians as recurrence_jacobians,
-    RecurrenceJacobians as RecurrenceJacobians,
-)
 from ._kalman import (
     KalmanFilter as KalmanFilter,
     KalmanFilterResult as KalmanFilterResult,
     KalmanSmootherResult as KalmanSmootherResult,
 )
-from ._language_model import LanguageModel as LanguageModel
-from ._lru import LRU as LRU
-from ._recurrence import linear_recurrence as linear_recurrence
-from ._s5 import S5 as S5
-from ._s5_block import S5Block as S5Block
+from ._models._classifier import SequenceClassifier as SequenceClassifier
+from ._models._denoising import DenoisingClassifier as DenoisingClassifier
+from ._models._language_model import LanguageModel as LanguageModel
+from ._recurrence import (
+    linear_recurrence as linear_recurrence,
+    recurrence_jacobians as recurrence_jacobians,
+    RecurrenceJacobians as RecurrenceJacobians,
+)
 from ._scan import (
     AbstractScan as AbstractScan,
     AssociativeScan as AssociativeScan,
     AutoScan as AutoScan,
     SequentialScan as SequentialScan,
 )
-from ._ssm_labels import (
+from ._ssm._base import (
+    AbstractDiagonalSSM as AbstractDiagonalSSM,
+    SSMJacobians as SSMJacobians,
+)
+from ._ssm._block import S5Block as S5Block
+from ._ssm._lru import LRU as LRU
+from ._ssm._optim import (
     s5_optimizer as s5_optimizer,
     ssm_param_labels as ssm_param_labels,
 )
+from ._ssm._s5 import S5 as S5
 from ._tridiagonal import tridiagonal_solve as tridiagonal_solve
 from ._tridiagonal_implicit import TridiagonalImplicit as TridiagonalImplicit
 

@@ -10,7 +10,7 @@ import jax.random as jr
 import numpy as np
 from jaxtyping import Array, ArrayLike, Float, Inexact, Int, PRNGKeyArray
 
-from ._misc import check_positive_int, error_if_any
+from ._misc import check_positive_int, default_floating_dtype, error_if_any
 
 
 _POLICIES = ("error", "clip", "fill")
@@ -45,33 +45,15 @@ class Embedding(eqx.Module):
     Unlike `eqx.nn.Embedding`, which looks up one scalar index and is `jax.vmap`-ed
     by its users, this takes an index array of any shape and does one gather for
     all of it (`jnp.take`): the canonical gather that accelerators fuse (equinox
-    issue 920). It also works when `vmap`-ed.
+    issue 920). It also works when `vmap`-ed, and under `jax.shard_map`.
 
-    **Index semantics.** Ids are integers of any width in
-    `[-num_embeddings, num_embeddings)`; a negative id counts from the end, as in
-    NumPy (`-1` is the last row). Ids outside that range (64-bit ones included,
-    which are never wrapped into range) are *out of range*, and handled by
-    `out_of_range`:
-
-    - `"error"` (default): raise at run time through `eqx.error_if` (works under
-        `jax.jit`; `EQX_ON_ERROR` controls it). If the check is switched off, ids
-        are clamped as with `"clip"`. Its cost is measured in
-        `benchmarks/bench_embedding.py`. It also works under `jax.shard_map`.
-    - `"clip"`: clamp to the nearest valid row (`-V - 3` gives row 0, `V + 3` the
-        last row). The clamped row is what is looked up, so it also receives the
-        gradient: forward and backward agree.
-    - `"fill"`: return a row of NaN. Such a row does not depend on the weight and
-        gives it no gradient.
-
-    **Padding.** With `padding_idx`, that row starts at zero and never receives a
-    gradient, neither through lookups (an id clamped onto it included) nor through [`eqx_seq.Embedding.attend`][].
-
-    **Frozen weights.** `Embedding.from_pretrained(weight, freeze=True)` wraps the
-    weight in `jax.lax.stop_gradient` in every use, so its gradient is zero and an
-    optimizer driven only by gradients (SGD, Adam) leaves it unchanged. An update
-    that does not come from the gradient, such as AdamW's weight decay, would still
-    move it: exclude it from such optimizers with `eqx.partition` / `optax.masked`
-    (or `eqx.filter` on a filter spec), the usual Equinox way.
+    Ids are integers of any width in `[-num_embeddings, num_embeddings)`; a negative
+    id counts from the end, as in NumPy (`-1` is the last row). Ids outside that
+    range (wide ones included: never wrapped into range) raise, are clamped or give
+    a row of NaN, as `out_of_range` says. With `padding_idx`, that row starts at zero
+    and never receives a gradient, neither through lookups (an id clamped onto it
+    included) nor through [`eqx_seq.Embedding.attend`][]. With `freeze=True` no
+    gradient reaches the weight.
 
     !!! Example
 
@@ -117,11 +99,24 @@ class Embedding(eqx.Module):
             may then be omitted (if given, they must match).
         - `dtype`: the compute dtype of lookups and `attend` (e.g. `jnp.bfloat16`
             over float32 weights); `None` computes in the weight's dtype.
-        - `param_dtype`: the storage dtype of the weight; defaults to float32, or
-            to `weight`'s dtype when `weight` is given.
-        - `out_of_range`: `"error"`, `"clip"` or `"fill"`; see the class docstring.
-        - `freeze`: if `True`, no gradient reaches the weight; see the class
-            docstring.
+        - `param_dtype`: the storage dtype of the weight; defaults to JAX's default
+            floating dtype, or to `weight`'s dtype when `weight` is given.
+        - `out_of_range`: what an id outside `[-V, V)` gives:
+            - `"error"` (default): raise at run time through `eqx.error_if` (works
+                under `jax.jit`; `EQX_ON_ERROR` controls it). If the check is
+                switched off, ids are clamped as with `"clip"`. Its cost:
+                `benchmarks/bench_embedding.py`.
+            - `"clip"`: clamp to the nearest valid row (`-V - 3` gives row 0,
+                `V + 3` the last row). The clamped row is what is looked up, so it
+                also receives the gradient: forward and backward agree.
+            - `"fill"`: return a row of NaN. Such a row does not depend on the
+                weight and gives it no gradient.
+        - `freeze`: if `True`, the weight is wrapped in `jax.lax.stop_gradient` in
+            every use, so its gradient is zero and an optimizer driven only by
+            gradients (SGD, Adam) leaves it unchanged. An update that does not come
+            from the gradient, such as AdamW's weight decay, would still move it:
+            exclude it from such optimizers with `eqx.partition` / `optax.masked`
+            (or `eqx.filter` on a filter spec), the usual Equinox way.
         - `key`: a `jax.random.key` for the N(0, 1) initialisation; required unless
             `weight` is given.
         """
@@ -137,7 +132,8 @@ class Embedding(eqx.Module):
                 )
             check_positive_int("num_embeddings", num_embeddings)
             check_positive_int("embedding_size", embedding_size)
-            param_dtype = jnp.float32 if param_dtype is None else param_dtype
+            if param_dtype is None:
+                param_dtype = default_floating_dtype()
             weight = jr.normal(key, (num_embeddings, embedding_size), param_dtype)
         else:
             weight = jnp.asarray(weight)
@@ -187,8 +183,8 @@ class Embedding(eqx.Module):
         **Arguments:**
 
         - `weight`: the `(V, D)` table. With `padding_idx`, that row is set to zero.
-        - `freeze`: if `True`, no gradient reaches the weight (see the class
-            docstring for what that means for optimizers).
+        - `freeze`: if `True`, no gradient reaches the weight (see `__init__` for
+            what that means for optimizers).
         - `padding_idx`, `dtype`, `param_dtype`, `out_of_range`: as in `__init__`.
 
         **Returns:**

@@ -15,6 +15,14 @@ from jaxtyping import Array
 _F = TypeVar("_F", bound=Callable)
 
 
+def default_floating_dtype() -> jnp.dtype:
+    """JAX's default floating dtype: float64 under `jax_enable_x64`, else float32.
+
+    Every layer's parameters default to it, so that under x64 all layers agree.
+    """
+    return jnp.dtype(jnp.float64 if jax.config.jax_enable_x64 else jnp.float32)
+
+
 def check_positive_int(name: str, value: object) -> None:
     """Raise a `ValueError` naming `name` unless `value` is an int >= 1 (not a bool)."""
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -51,7 +59,7 @@ def check_parameter_dtype(layer: str, dtype) -> jnp.dtype:
     """`dtype` (JAX's default float if `None`) if it is float32 or float64, else a
     `ValueError` that says what to do: these layers factorise matrices (LAPACK has
     no half precision) or recur in complex numbers (JAX has no complex half)."""
-    dtype = jnp.zeros(()).dtype if dtype is None else jnp.dtype(dtype)
+    dtype = default_floating_dtype() if dtype is None else jnp.dtype(dtype)
     if dtype not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.float64)):
         raise ValueError(
             f"`eqx_seq.{layer}` keeps its parameters in float32 or float64, got "
@@ -108,7 +116,7 @@ def full_precision(fn: _F) -> _F:
     On GPUs and TPUs, JAX's default for float32 products is a faster, less precise
     one (TF32 on NVIDIA GPUs, 10 bits of mantissa): fine for a network's
     projections, not for a Kalman filter's covariance updates, whose float32
-    log-likelihood it took 20% off on an H100 (measured). The precision is fixed
+    log-likelihood it makes inaccurate (`docs/faq.md`, TF32). The precision is fixed
     when a product is traced, so this wraps every function that traces products
     for the filter: its bodies, and the rules of its `jax.custom_jvp`s, which JAX
     traces later, when it differentiates (outside any body). JAX's own derivative

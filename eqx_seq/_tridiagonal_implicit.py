@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import jax.random as jr
 from jaxtyping import Array, ArrayLike, Float, PRNGKeyArray
 
-from ._misc import check_positive_int, check_real
+from ._misc import check_positive_int, check_real, default_floating_dtype
 from ._scan import AbstractScan, AutoScan
 from ._tridiagonal import tridiagonal_solve
 
@@ -34,12 +34,8 @@ class TridiagonalImplicit(eqx.Module):
     [`eqx_seq.tridiagonal_solve`][] (Thomas, PCR) are stable without pivoting,
     for the solve and for its adjoint (a solve with $A^\top = A$).
 
-    **Couplings.** $\kappa = \operatorname{softplus}(\theta)$ per channel, with
-    $\theta$ initialised so that $\kappa$ is log-uniform in `coupling_range` (a
-    range of smoothing lengths across channels). With `input_dependent=True`,
-    each link's coupling also depends on the two steps it joins:
-    $\kappa_t = \operatorname{softplus}(\theta + W [x_t; x_{t+1}] + b)$, with $W$
-    and $b$ initialised to zero (so the layer starts time-invariant).
+    The couplings are $\kappa = \operatorname{softplus}(\theta)$, one per channel,
+    or input-dependent (see `__init__`).
 
     !!! Example
 
@@ -78,15 +74,19 @@ class TridiagonalImplicit(eqx.Module):
         dtype: jnp.dtype | str | None = None,
         key: PRNGKeyArray,
     ):
-        """**Arguments:**
+        r"""**Arguments:**
 
         - `channels`: the number of channels `C`; inputs are `(T, C)`.
-        - `input_dependent`: if `True`, the couplings also depend on the input
-            (see the class docstring).
-        - `coupling_range`: `(low, high)`, `0 < low <= high`: the initial couplings
-            are log-uniform in this range across channels.
+        - `input_dependent`: if `True`, each link's coupling also depends on the two
+            steps it joins:
+            $\kappa_t = \operatorname{softplus}(\theta + W [x_t; x_{t+1}] + b)$,
+            with $W$ and $b$ initialised to zero (so the layer starts
+            time-invariant).
+        - `coupling_range`: `(low, high)`, `0 < low <= high`: $\theta$ is
+            initialised so that the couplings $\kappa$ are log-uniform in this range
+            across channels (a range of smoothing lengths).
         - `scan`: the backend of [`eqx_seq.tridiagonal_solve`][].
-        - `dtype`: the parameters' dtype; float32 by default.
+        - `dtype`: the parameters' dtype; JAX's default floating dtype by default.
         - `key`: a `jax.random.key` for the initial couplings.
         """
         check_positive_int("channels", channels)
@@ -100,7 +100,7 @@ class TridiagonalImplicit(eqx.Module):
             )
         if not isinstance(scan, AbstractScan):
             raise ValueError(f"`scan` must be an `eqx_seq.AbstractScan`, got {scan!r}.")
-        dtype = jnp.float32 if dtype is None else jnp.dtype(dtype)
+        dtype = default_floating_dtype() if dtype is None else jnp.dtype(dtype)
         log_kappa = jr.uniform(
             key, (channels,), dtype, jnp.log(low).item(), jnp.log(high).item()
         )

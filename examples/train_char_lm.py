@@ -16,6 +16,7 @@ import argparse
 import glob
 import math
 import os
+import sys
 import time
 
 import equinox as eqx
@@ -104,7 +105,9 @@ def main():
     parser.add_argument("--temperature", type=float, default=0.7)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=os.path.join("outputs", "train_char_lm"))
-    parser.add_argument("--no-progress", action="store_true")
+    parser.add_argument(
+        "--no-progress", action="store_true", help="no progress bar, even on a terminal"
+    )
     args = parser.parse_args()
 
     train, held_out = load_text(args.max_bytes, args.seed)
@@ -140,7 +143,9 @@ def main():
     except ImportError:
         trange = None
     steps = range(args.steps)
-    if trange is not None and not args.no_progress:
+    # a bar only on a terminal: in a log file the redraws pile up, so a log gets ten
+    # progress lines instead
+    if trange is not None and not args.no_progress and sys.stderr.isatty():
         steps = trange(args.steps, desc="training")
     rng = np.random.default_rng(args.seed)
     start = time.perf_counter()

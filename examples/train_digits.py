@@ -15,6 +15,7 @@ drawn to a PNG.
 
 import argparse
 import os
+import sys
 import time
 
 import equinox as eqx
@@ -117,7 +118,9 @@ def main():
     parser.add_argument(
         "--out", default=os.path.join("outputs", "train_digits"), help="output folder"
     )
-    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument(
+        "--no-progress", action="store_true", help="no progress bar, even on a terminal"
+    )
     args = parser.parse_args()
 
     (x_train, y_train), (x_test, y_test) = load_data(args.seed)
@@ -150,6 +153,9 @@ def main():
         from tqdm import tqdm
     except ImportError:  # the examples extra brings tqdm; run without a bar if absent
         tqdm = None
+    # a bar only on a terminal: in a log file the redraws pile up, and the line per
+    # epoch below says what a log needs
+    show_bar = tqdm is not None and not args.no_progress and sys.stderr.isatty()
 
     history = {"epoch": [], "loss": [], "train_acc": [], "test_acc": []}
     rng = np.random.default_rng(args.seed)
@@ -158,7 +164,7 @@ def main():
         order = rng.permutation(len(x_train))
         batches = range(steps_per_epoch)
         bar = None
-        if tqdm is not None and not args.no_progress:
+        if show_bar:
             bar = tqdm(batches, desc=f"epoch {epoch}/{args.epochs}", leave=False)
             batches = bar
         losses, accs = [], []

@@ -3,10 +3,8 @@ import os
 
 # The suite's time is mostly XLA compiling (hundreds of small programs), a large
 # part of it LLVM's optimisation passes on CPU, and the tests check numbers, not
-# speed: with those passes off the suite ran in 462 s instead of 736 s (two
-# workers, same machine), every test passing. XLA's own (HLO) optimisations,
-# fusion included, still run. Set before JAX starts its backend; flags given by the
-# user are kept.
+# speed: so those passes are off. XLA's own (HLO) optimisations, fusion included,
+# still run. Set before JAX starts its backend; flags given by the user are kept.
 os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0"
 ).strip()

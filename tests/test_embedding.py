@@ -31,7 +31,8 @@ def test_values_any_shape(getkey, shape):
     emb = eqx_seq.Embedding(V, D, key=getkey())
     ids = jr.randint(getkey(), shape, -V, V)
     out = emb(ids)
-    assert out.shape == (*shape, D) and out.dtype == jnp.float32
+    # the weight's dtype: JAX's default floating dtype (float64 in this suite)
+    assert out.shape == (*shape, D) and out.dtype == emb.weight.dtype == jnp.float64
     np.testing.assert_array_equal(
         out, np.asarray(emb.weight)[np.asarray(ids)]
     )  # numpy wraps negatives too
@@ -119,7 +120,9 @@ def test_attend_tied_logits(getkey):
 
 
 def test_dtypes(getkey):
-    emb = eqx_seq.Embedding(V, D, dtype=jnp.bfloat16, key=getkey())
+    emb = eqx_seq.Embedding(
+        V, D, dtype=jnp.bfloat16, param_dtype=jnp.float32, key=getkey()
+    )
     assert emb.weight.dtype == jnp.float32  # storage
     ids = jnp.array([1, 2])
     out = emb(ids)
@@ -142,9 +145,9 @@ def test_jit_vmap_grad(getkey):
     np.testing.assert_array_equal(jax.jit(lambda e, i: e(i))(emb, ids), direct)
     np.testing.assert_array_equal(jax.vmap(emb)(ids), direct)
     np.testing.assert_array_equal(jax.vmap(jax.vmap(emb))(ids), direct)
-    ct = jr.normal(getkey(), direct.shape, jnp.float32)
+    ct = jr.normal(getkey(), direct.shape, direct.dtype)
     g = jax.jit(jax.grad(lambda e: jnp.sum(e(ids) * ct)))(emb).weight
-    expected = np.zeros((V, D), np.float32)
+    expected = np.zeros((V, D), direct.dtype)
     np.add.at(expected, np.asarray(ids), np.asarray(ct))  # scatter-add reference
     np.testing.assert_allclose(g, expected, rtol=1e-5, atol=1e-6)
 

@@ -1,31 +1,11 @@
-"""The README's main job and the benchmark scripts run end to end (small settings)."""
-
-import os
-import subprocess
-import sys
+"""The example scripts run end to end (small settings)."""
 
 import pytest
-
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def run(*args, timeout=600):
-    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    out = subprocess.run(
-        [sys.executable, *args],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
-    assert out.returncode == 0, out.stdout + out.stderr
-    return out.stdout
+from helpers import run_script
 
 
 def test_recurrence_jacobians_example():
-    out = run(
+    out = run_script(
         "examples/recurrence_jacobians.py",
         "--length",
         "64",
@@ -40,50 +20,8 @@ def test_recurrence_jacobians_example():
     assert "seed: jacrev, plain associative_scan" in out
 
 
-@pytest.mark.slow
-def test_bench_recurrence_quick(tmp_path):
-    out = run(
-        "benchmarks/bench_recurrence.py",
-        "--quick",
-        "--repeats",
-        "1",
-        "--json",
-        str(tmp_path / "r.json"),
-    )
-    assert "speed-up" in out and (tmp_path / "r.json").exists()
-
-
-@pytest.mark.slow
-def test_bench_embedding_quick(tmp_path):
-    out = run(
-        "benchmarks/bench_embedding.py",
-        "--quick",
-        "--repeats",
-        "1",
-        "--json",
-        str(tmp_path / "e.json"),
-    )
-    assert "raw jnp.take (anchor)" in out and (tmp_path / "e.json").exists()
-
-
-@pytest.mark.slow
-def test_bench_s5_quick(tmp_path):
-    out = run(
-        "benchmarks/bench_s5.py",
-        "--quick",
-        "--repeats",
-        "1",
-        "--json",
-        str(tmp_path / "s5.json"),
-    )
-    # the script checks ours against the plain S5 before printing these lines
-    assert "check: associative forward = plain S5 forward" in out
-    assert "check: sequential Jacobians = jacrev of the plain S5" in out
-    assert (tmp_path / "s5.json").exists()
-
-
 def test_train_digits_example(tmp_path):
-    out = run(
+    out = run_script(
         "examples/train_digits.py",
         "--epochs",
         "1",
@@ -108,13 +46,15 @@ def test_train_digits_example(tmp_path):
 
 @pytest.mark.slow
 def test_train_digits_reaches_the_goal(tmp_path):
-    out = run("examples/train_digits.py", "--no-progress", "--out", str(tmp_path))
+    out = run_script(
+        "examples/train_digits.py", "--no-progress", "--out", str(tmp_path)
+    )
     accuracy = float(out.split("final test accuracy: ")[1].split()[0])
     assert accuracy >= 0.95
 
 
 def test_train_char_lm_example(tmp_path):
-    out = run(
+    out = run_script(
         "examples/train_char_lm.py",
         "--steps",
         "2",
@@ -141,7 +81,7 @@ def test_train_char_lm_example(tmp_path):
 
 
 def test_tridiagonal_smoother_example(tmp_path):
-    out = run(
+    out = run_script(
         "examples/tridiagonal_smoother.py",
         "--steps",
         "3",
@@ -157,7 +97,9 @@ def test_tridiagonal_smoother_example(tmp_path):
 
 
 def test_kalman_nile_example(tmp_path):
-    out = run("examples/kalman_nile.py", "--steps", "300", "--out", str(tmp_path))
+    out = run_script(
+        "examples/kalman_nile.py", "--steps", "300", "--out", str(tmp_path)
+    )
     # the classic maximum-likelihood values (Durbin & Koopman 2012, ch. 2)
     eps = float(out.split("sigma2_eps = ")[1].split()[0])
     eta = float(out.split("sigma2_eta = ")[1].split()[0])

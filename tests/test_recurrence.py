@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import directional_derivative, directional_fd
 from hypothesis import given, settings, strategies as st
 
 import eqx_seq
@@ -187,22 +188,17 @@ def test_gradients(backend, time_invariant, complex_, reverse):
     assert eqx.tree_equal(got, expected, rtol=1e-10, atol=1e-10)
     assert eqx.tree_equal(alone, expected, rtol=1e-10, atol=1e-10)
 
-    # against central finite differences along a random direction (JAX's convention
-    # for a real loss of complex inputs: d/de L(z + e v) = Re(sum(grad * v)))
-    eps = 1e-6
+    # against central finite differences along a random direction
     jitted = jax.jit(ours)
-    for i, x in enumerate((a, b, h0)):
+    args = (a, b, h0)
+    for i, x in enumerate(args):
         v = rng.normal(size=x.shape) + (
             1j * rng.normal(size=x.shape) if complex_ else 0
         )
         v = jnp.asarray(v, x.dtype)
-        args_p = [a, b, h0]
-        args_m = [a, b, h0]
-        args_p[i] = x + eps * v
-        args_m[i] = x - eps * v
-        fd = (jitted(*args_p) - jitted(*args_m)) / (2 * eps)
+        fd = directional_fd(lambda x, i=i: jitted(*args[:i], x, *args[i + 1 :]), x, v)
         np.testing.assert_allclose(
-            jnp.real(jnp.sum(got[i] * v)), fd, rtol=1e-6, atol=1e-7
+            directional_derivative(got[i], v), fd, rtol=1e-6, atol=1e-7
         )
 
 
@@ -256,7 +252,7 @@ def test_hessian(backend, time_invariant):
     # and one Hessian-vector product against finite differences of the gradient
     v = jnp.asarray(rng.normal(size=a.shape))
     g = jax.jit(jax.grad(ours))
-    fd = (g(a + 1e-6 * v, b, h0) - g(a - 1e-6 * v, b, h0)) / 2e-6
+    fd = directional_fd(lambda a: g(a, b, h0), a, v)
     np.testing.assert_allclose(
         jax.jit(jax.hessian(ours))(a, b, h0).reshape(a.size, a.size) @ v.ravel(),
         fd.ravel(),

@@ -1,9 +1,6 @@
 """`eqx_seq.tridiagonal_solve` against SciPy and dense float64 references."""
 
 import itertools as it
-import os
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -13,8 +10,8 @@ import scipy.linalg
 from jax.test_util import check_grads
 
 import eqx_seq
-import eqx_seq._tridiagonal as tridiagonal_module
-from eqx_seq._tridiagonal import _lu_solve, _thomas
+import eqx_seq._tridiagonal_thomas as thomas_module
+from eqx_seq._tridiagonal_thomas import _lu_solve, _thomas
 
 
 BACKENDS = {
@@ -351,7 +348,7 @@ def test_factored_derivatives_in_blocks(
 ):
     # the Thomas path's jvp rule (factors kept, division-free tangent and adjoint
     # sweeps) in blocks of 3 systems, against autodiff through dense solves
-    monkeypatch.setattr(tridiagonal_module, "_BLOCK_BYTES", 3 * 16)
+    monkeypatch.setattr(thomas_module, "_BLOCK_BYTES", 3 * 16)
     rng = np.random.default_rng(11)
     full = np.broadcast_shapes(*shapes)
     draw = dominant(rng, full, complex_=complex_)
@@ -447,29 +444,3 @@ def test_bad_input():
 
     with pytest.raises(ValueError, match="supports"):
         solve(ones, ones, ones, ones, scan=Other())
-
-
-@pytest.mark.slow
-def test_bench_tridiagonal_quick(tmp_path):
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": root}
-    out = subprocess.run(
-        [
-            sys.executable,
-            "benchmarks/bench_tridiagonal.py",
-            "--quick",
-            "--repeats",
-            "1",
-            "--json",
-            str(tmp_path / "t.json"),
-        ],
-        cwd=root,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert out.returncode == 0, out.stdout + out.stderr
-    assert "jax.lax.linalg.tridiagonal_solve (gtsv)" in out.stdout
-    assert "grad: eqx_seq Thomas, axis=0" in out.stdout
-    assert (tmp_path / "t.json").exists()

@@ -6,6 +6,7 @@ import jax.numpy as jnp
 import jax.random as jr
 import numpy as np
 import pytest
+from helpers import tree_allclose
 from jax.test_util import check_grads
 
 import eqx_seq
@@ -105,12 +106,15 @@ def test_gradients(input_dependent, getkey):
         )
         for scan in SCANS.values()
     ]
-    for a, b in zip(jax.tree.leaves(grads[0]), jax.tree.leaves(grads[1])):
-        np.testing.assert_allclose(a, b, rtol=1e-10, atol=1e-12)
+    # (the leaves: the two models differ in their `scan` field)
+    leaves_0, leaves_1 = (jax.tree.leaves(g) for g in grads)
+    assert tree_allclose(leaves_0, leaves_1, rtol=1e-10, atol=1e-12)
 
 
 def test_vmap_jit_and_dtypes(getkey):
-    layer = eqx_seq.TridiagonalImplicit(4, input_dependent=True, key=getkey())
+    layer = eqx_seq.TridiagonalImplicit(
+        4, input_dependent=True, dtype=jnp.float32, key=getkey()
+    )
     layer = eqx.tree_at(
         lambda m: m.gate_weight, layer, 0.1 * jr.normal(getkey(), (4, 8))
     )

@@ -1,6 +1,5 @@
 """A sequence classifier: linear encoder, a stack of S5/LRU blocks, pooling, head."""
 
-import math
 from typing import Literal
 
 import equinox as eqx
@@ -9,75 +8,9 @@ import jax.numpy as jnp
 import jax.random as jr
 from jaxtyping import Array, ArrayLike, Bool, Float, PRNGKeyArray, Real
 
-from ._lru import LRU
-from ._misc import check_positive_int, error_if_any
-from ._s5 import S5
-from ._s5_block import S5Block
-from ._scan import AbstractScan, AutoScan
-
-
-def make_blocks(
-    width: int,
-    depth: int,
-    state_size: int,
-    *,
-    mixer: Literal["s5", "lru"],
-    ssm_blocks: int,
-    bidirectional: bool,
-    activation: str,
-    norm: str,
-    prenorm: bool,
-    dropout: float,
-    scan: AbstractScan,
-    dtype,
-    key: PRNGKeyArray,
-) -> tuple[S5Block, ...]:
-    """`depth` residual blocks of width `width`, every SSM with the backend `scan`."""
-    check_positive_int("depth", depth)
-    if mixer not in ("s5", "lru"):
-        raise ValueError(f'`mixer` must be "s5" or "lru", got {mixer!r}.')
-    blocks = []
-    for k in jr.split(key, depth):
-        ssm_key, block_key = jr.split(k)
-        if mixer == "s5":
-            ssm = S5(
-                width,
-                state_size,
-                blocks=ssm_blocks,
-                bidirectional=bidirectional,
-                scan=scan,
-                dtype=dtype,
-                key=ssm_key,
-            )
-        else:
-            ssm = LRU(
-                width,
-                state_size,
-                r_min=0.9,
-                max_phase=math.pi / 10,
-                bidirectional=bidirectional,
-                scan=scan,
-                dtype=dtype,
-                key=ssm_key,
-            )
-        blocks.append(
-            S5Block(
-                ssm,
-                norm=norm,
-                prenorm=prenorm,
-                activation=activation,
-                dropout=dropout,
-                key=block_key,
-            )
-        )
-    return tuple(blocks)
-
-
-def run_blocks(blocks, x: Array, key: PRNGKeyArray | None) -> Array:
-    keys = [None] * len(blocks) if key is None else list(jr.split(key, len(blocks)))
-    for block, k in zip(blocks, keys):
-        x = block(x, key=k)
-    return x
+from .._misc import check_positive_int, error_if_any
+from .._scan import AbstractScan, AutoScan
+from .._ssm._block import make_blocks, run_blocks, S5Block
 
 
 class SequenceClassifier(eqx.Module):
@@ -167,6 +100,7 @@ class SequenceClassifier(eqx.Module):
         self.head = eqx.nn.Linear(width, num_classes, dtype=dtype, key=hkey)
         self.pooling = pooling
 
+    @jax.named_scope("eqx_seq.SequenceClassifier")
     def __call__(
         self,
         x: Real[ArrayLike, " T F"],

@@ -9,9 +9,9 @@ import jax.numpy as jnp
 import jax.random as jr
 from jaxtyping import Array, Complex, Float, PRNGKeyArray
 
-from ._diagonal_ssm import AbstractDiagonalSSM
-from ._misc import check_parameter_dtype, check_positive_int, check_real
-from ._scan import AbstractScan, AutoScan
+from .._misc import check_parameter_dtype, check_positive_int, check_real
+from .._scan import AbstractScan, AutoScan
+from ._base import AbstractDiagonalSSM
 
 
 class LRU(AbstractDiagonalSSM):

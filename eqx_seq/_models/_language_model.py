@@ -9,11 +9,10 @@ import jax.numpy as jnp
 import jax.random as jr
 from jaxtyping import Array, ArrayLike, Complex, Float, Int, PRNGKeyArray, Real
 
-from ._classifier import make_blocks, run_blocks
-from ._embedding import Embedding
-from ._misc import check_positive_int, error_if_any
-from ._s5_block import S5Block
-from ._scan import AbstractScan, AutoScan
+from .._embedding import Embedding
+from .._misc import check_positive_int, error_if_any
+from .._scan import AbstractScan, AutoScan
+from .._ssm._block import make_blocks, run_blocks, S5Block
 
 
 class LanguageModel(eqx.Module):
@@ -67,7 +66,7 @@ class LanguageModel(eqx.Module):
         check_positive_int("vocab_size", vocab_size)
         check_positive_int("width", width)
         ekey, bkey = jr.split(key)
-        emb = Embedding(vocab_size, width, dtype=dtype, key=ekey)
+        emb = Embedding(vocab_size, width, param_dtype=dtype, key=ekey)
         # N(0, 1/width) rows: unit-scale logits through the tied output
         self.embedding = eqx.tree_at(lambda e: e.weight, emb, emb.weight / width**0.5)
         self.blocks = make_blocks(
@@ -87,6 +86,7 @@ class LanguageModel(eqx.Module):
         )
         self.norm = eqx.nn.LayerNorm(width, dtype=dtype)
 
+    @jax.named_scope("eqx_seq.LanguageModel")
     def __call__(
         self, ids: Int[ArrayLike, " T"], *, key: PRNGKeyArray | None = None
     ) -> Float[Array, " T V"]:

@@ -5,8 +5,8 @@ import jax
 import optax
 from jaxtyping import PyTree
 
-from ._diagonal_ssm import AbstractDiagonalSSM
-from ._misc import check_real
+from .._misc import check_real
+from ._base import AbstractDiagonalSSM
 
 
 def ssm_param_labels(model: PyTree) -> PyTree[str | None]:

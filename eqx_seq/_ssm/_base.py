@@ -19,9 +19,9 @@ import jax.numpy as jnp
 import jax.random as jr
 from jaxtyping import Array, ArrayLike, Complex, Float, PRNGKeyArray, Real
 
-from ._misc import error_if_any
-from ._recurrence import linear_recurrence
-from ._scan import AbstractScan
+from .._misc import error_if_any
+from .._recurrence import linear_recurrence
+from .._scan import AbstractScan
 
 
 def complex_dtype(dtype) -> jnp.dtype:
@@ -162,9 +162,7 @@ class AbstractDiagonalSSM(eqx.Module):
     # ------------------------------------------------------------------- pieces
 
     # Both projections are one real matmul with the real and imaginary parts side by
-    # side. On CPU (T=1024, H=128, 32 states, batch 8) that made the readout 2x
-    # faster forward and 3x faster backward than two real matmuls, and the layer's
-    # gradient 2.4x faster (112 -> 46 ms); a complex matmul was slower than both.
+    # side: faster than two real matmuls or one complex one (benchmarks/bench_s5.py).
 
     def _drive(self, u: Array) -> Array:
         """`B u_t` for every step: `(..., P)` complex."""
@@ -224,14 +222,15 @@ class AbstractDiagonalSSM(eqx.Module):
         The output sequence, shape `(T, input_size)`, real.
         """
         del key
-        u, dt, h0 = self._check_inputs(u, dt, h0, streaming=False)
-        u = u.astype(self._real_dtype(u))
-        drive = self._drive(u)
-        y = self._read_out(self.C, self._states(drive, dt, h0))
-        if self.C_backward is not None:
-            backward = self._states(drive, dt, None, reverse=True)
-            y = y + self._read_out(self.C_backward, backward)
-        return y + self.D.astype(u.dtype)[None] * u
+        with jax.named_scope(f"eqx_seq.{self._name()}"):
+            u, dt, h0 = self._check_inputs(u, dt, h0, streaming=False)
+            u = u.astype(self._real_dtype(u))
+            drive = self._drive(u)
+            y = self._read_out(self.C, self._states(drive, dt, h0))
+            if self.C_backward is not None:
+                backward = self._states(drive, dt, None, reverse=True)
+                y = y + self._read_out(self.C_backward, backward)
+            return y + self.D.astype(u.dtype)[None] * u
 
     def final_state(
         self,

@@ -10,9 +10,14 @@ import jax.random as jr
 import numpy as np
 from jaxtyping import Array, Complex, Float, PRNGKeyArray
 
-from ._diagonal_ssm import AbstractDiagonalSSM, complex_dtype
-from ._misc import check_parameter_dtype, check_positive_int, check_real
-from ._scan import AbstractScan, AutoScan
+from .._misc import (
+    check_parameter_dtype,
+    check_positive_int,
+    check_real,
+    default_floating_dtype,
+)
+from .._scan import AbstractScan, AutoScan
+from ._base import AbstractDiagonalSSM, complex_dtype
 
 
 # The largest HiPPO block S5 initialises: its dense eigendecomposition costs
@@ -177,12 +182,10 @@ class S5(AbstractDiagonalSSM):
         eigenvalues, vectors = _block_diagonal_init(state_size, blocks, conj_sym)
         num_states = eigenvalues.shape[0]
         bkey, ckey, cbkey, dkey, skey = jr.split(key, 5)
-        # in JAX, not NumPy, from here on: the random draws may be traced (an
-        # ensemble of layers built under `eqx.filter_vmap`); the eigenvectors are
-        # constants
-        # drawn at JAX's default float whatever `dtype` is (the draws do not depend
-        # on it), projected in the matching complex dtype, then cast
-        cdtype = complex_dtype(jnp.zeros(()).dtype)
+        # in JAX, not NumPy: the draws may be traced (an ensemble of layers built
+        # under `eqx.filter_vmap`); drawn at the default float whatever `dtype` is,
+        # projected in the matching complex dtype, then cast
+        cdtype = complex_dtype(default_floating_dtype())
         vectors = jnp.asarray(vectors, cdtype)
 
         def to_pair(x):  # complex -> real (..., 2) array

@@ -3,14 +3,15 @@
 from typing import Literal
 
 import equinox as eqx
+import jax
 import jax.numpy as jnp
 import jax.random as jr
 from jaxtyping import Array, ArrayLike, Bool, Float, PRNGKeyArray, Real
 
+from .._kalman import KalmanFilter
+from .._scan import AbstractScan, AutoScan
+from .._tridiagonal_implicit import TridiagonalImplicit
 from ._classifier import SequenceClassifier
-from ._kalman import KalmanFilter
-from ._scan import AbstractScan, AutoScan
-from ._tridiagonal_implicit import TridiagonalImplicit
 
 
 class DenoisingClassifier(eqx.Module):
@@ -102,6 +103,7 @@ class DenoisingClassifier(eqx.Module):
         """The denoised features the classifier sees, shape `(T, kalman_state_size)`."""
         return self.smoother(self.kalman(jnp.asarray(x)))
 
+    @jax.named_scope("eqx_seq.DenoisingClassifier")
     def __call__(
         self,
         x: Real[ArrayLike, " T F"],

@@ -1,0 +1,60 @@
+"""Shared by the tests: finite differences, tree comparison, running a script."""
+
+import os
+import subprocess
+import sys
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def directional_fd(fn, tree, direction, eps: float = 1e-6):
+    """Central finite difference of `fn` at `tree` along `direction`:
+    `(fn(tree + eps * direction) - fn(tree - eps * direction)) / (2 * eps)`.
+
+    `tree` and `direction` are PyTrees of the same structure (a single array
+    included); `fn`'s output may be any PyTree of arrays.
+    """
+    plus = jax.tree.map(lambda x, d: x + eps * d, tree, direction)
+    minus = jax.tree.map(lambda x, d: x - eps * d, tree, direction)
+    return jax.tree.map(lambda p, m: (p - m) / (2 * eps), fn(plus), fn(minus))
+
+
+def directional_derivative(grad, direction):
+    """The derivative of a real function along `direction`, from its gradient `grad`.
+
+    JAX's convention for complex inputs: the derivative of `L(z + e v)` in `e` is
+    `Re(sum(grad * v))`, without conjugation.
+    """
+    terms = [
+        jnp.real(jnp.sum(g * d))
+        for g, d in zip(jax.tree.leaves(grad), jax.tree.leaves(direction), strict=True)
+    ]
+    return sum(terms[1:], terms[0])
+
+
+def tree_allclose(x, y, *, rtol: float = 1e-5, atol: float = 1e-8) -> bool:
+    """Whether two PyTrees have the same structure and close leaves (as
+    `jnp.allclose`, leaf by leaf)."""
+    return bool(eqx.tree_equal(x, y, rtol=rtol, atol=atol))
+
+
+def run_script(path: str, *args: str, timeout: float = 600, env=None) -> str:
+    """Run `python path *args` from the repository root on the CPU, importing this
+    checkout's `eqx_seq`; assert that it succeeds and return its standard output."""
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", **(env or {})}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, env.get("PYTHONPATH")) if p)
+    out = subprocess.run(
+        [sys.executable, path, *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    return out.stdout
