@@ -19,23 +19,14 @@ class TridiagonalImplicit(eqx.Module):
     $$(1 + \kappa_{t-1} + \kappa_t)\, y_t - \kappa_{t-1} y_{t-1} - \kappa_t y_{t+1}
     = x_t, \qquad \kappa_{-1} = \kappa_{T-1} = 0,$$
 
-    where $\kappa_t \ge 0$ couples steps $t$ and $t+1$. Equivalently, $y$ minimises
-    $\sum_t (y_t - x_t)^2 + \sum_t \kappa_t (y_{t+1} - y_t)^2$: a Whittaker
-    smoother (Whittaker 1923; Eilers 2003) with a learnable roughness penalty, or
-    one backward-Euler step of a diffusion along time with conductances
-    $\kappa$. Every output depends on every input (a global, non-causal receptive
-    field), with weights that decay like $\exp(-|t - s| / \ell)$ for a smoothing
-    length $\ell \approx \sqrt{\kappa}$, and it costs `O(T)`.
-
-    **Why it is safe.** $A$ is symmetric and strictly diagonally dominant with
-    margin exactly 1, whatever the parameters and inputs: every row has
-    $|A_{tt}| - |A_{t,t-1}| - |A_{t,t+1}| = 1$. So $A$ is positive definite with
-    eigenvalues $\ge 1$ ($\|y\| \le \|x\|$), and both backends of
-    [`eqx_seq.tridiagonal_solve`][] (Thomas, PCR) are stable without pivoting,
-    for the solve and for its adjoint (a solve with $A^\top = A$).
-
-    The couplings are $\kappa = \operatorname{softplus}(\theta)$, one per channel,
-    or input-dependent (see `__init__`).
+    where $\kappa_t \ge 0$ couples steps $t$ and $t+1$: a Whittaker smoother
+    (Whittaker 1923; Eilers 2003) with a learnable roughness penalty, or one
+    backward-Euler step of a diffusion along time. Every output depends on every
+    input, at `O(T)` cost. $A$ is symmetric and strictly diagonally dominant with
+    margin exactly 1 whatever the parameters, so both backends of
+    [`eqx_seq.tridiagonal_solve`][] are stable without pivoting. The couplings are
+    $\kappa = \operatorname{softplus}(\theta)$, one per channel, or input-dependent
+    (see `__init__`); the guide is `docs/usage/tridiagonal.md`.
 
     !!! Example
 

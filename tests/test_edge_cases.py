@@ -64,7 +64,9 @@ def test_tridiagonal_pivoting_in_half_precision(dtype):
     x = eqx_seq.tridiagonal_solve(*args, pivoting=True)
     assert x.dtype == dtype
     np.testing.assert_allclose(np.asarray(x, np.float64), expect, rtol=2e-2)
-    g = jax.grad(lambda r: jnp.sum(eqx_seq.tridiagonal_solve(*args[:3], r, pivoting=True)))
+    g = jax.grad(
+        lambda r: jnp.sum(eqx_seq.tridiagonal_solve(*args[:3], r, pivoting=True))
+    )
     assert g(args[3]).dtype == dtype
 
 
@@ -97,7 +99,9 @@ def test_embedding_ids_beyond_32_bits_under_x64():
     with pytest.raises(RuntimeError, match="out of range"):
         emb(jnp.array([-(2**40)], jnp.int64))
     # unsigned ids past the int32 range
-    np.testing.assert_array_equal(clip(jnp.array([2**32 - 1], jnp.uint32))[0], emb.weight[4])
+    np.testing.assert_array_equal(
+        clip(jnp.array([2**32 - 1], jnp.uint32))[0], emb.weight[4]
+    )
     with pytest.raises(RuntimeError, match="out of range"):
         emb(jnp.array([2**31], jnp.uint32))
 
@@ -150,7 +154,9 @@ def test_generate_rejects_bad_temperatures(temperature, getkey):
     with pytest.raises(ValueError, match="temperature"):
         lm.generate(jnp.array([1]), 2, key=getkey(), temperature=temperature)
     # traced (under the user's jit): a run-time error
-    gen = eqx.filter_jit(lambda t: lm.generate(jnp.array([1]), 2, key=jr.key(0), temperature=t))
+    gen = eqx.filter_jit(
+        lambda t: lm.generate(jnp.array([1]), 2, key=jr.key(0), temperature=t)
+    )
     with pytest.raises(RuntimeError, match="temperature"):
         gen(jnp.asarray(temperature, jnp.float32))
 
@@ -176,9 +182,11 @@ def test_generate_eager_compiles_once(getkey):
     lm.generate(prompt, 3, key=jr.key(0))  # warm-up
     compiles = []
     jax.monitoring.register_event_duration_secs_listener(
-        lambda event, *a, **k: compiles.append(event)
-        if event == "/jax/core/compile/backend_compile_duration"
-        else None
+        lambda event, *a, **k: (
+            compiles.append(event)
+            if event == "/jax/core/compile/backend_compile_duration"
+            else None
+        )
     )
     try:
         for seed in range(3):
@@ -244,7 +252,11 @@ def test_s5_ensemble_by_filter_vmap(getkey):
     eqx.filter_vmap(
         lambda k: eqx_seq.S5(3, 8, conj_sym=False, bidirectional=True, key=k)
     )(keys)
-    eqx.filter_vmap(lambda k: eqx_seq.SequenceClassifier(1, 2, width=4, depth=1, state_size=4, key=k))(keys)
+    eqx.filter_vmap(
+        lambda k: eqx_seq.SequenceClassifier(
+            1, 2, width=4, depth=1, state_size=4, key=k
+        )
+    )(keys)
 
 
 @pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16, jnp.int32])
