@@ -321,3 +321,76 @@ def test_products_at_full_precision(backend, missing):
         assert found, name  # the check is not vacuous
         highest = (jax.lax.Precision.HIGHEST, jax.lax.Precision.HIGHEST)
         assert all(p == highest for p in found), (name, set(found))
+
+
+# --- what the filter asks of the backend: `parallel`, `associative_scan`, `select` ---
+
+
+class _UserSequential(eqx_seq.AbstractScan):
+    parallel = False
+
+    def recurrence(self, a, b, h0=None, *, reverse=False):
+        return eqx_seq.SequentialScan().recurrence(a, b, h0, reverse=reverse)
+
+
+class _UserParallel(eqx_seq.AbstractScan):
+    parallel = True
+
+    def recurrence(self, a, b, h0=None, *, reverse=False):
+        return eqx_seq.AssociativeScan().recurrence(a, b, h0, reverse=reverse)
+
+    def associative_scan(self, fn, elems, *, reverse=False):
+        return jax.lax.associative_scan(fn, elems, reverse=reverse)
+
+
+class _PicksParallel(eqx_seq.AutoScan):
+    """An automatic rule of one's own: layers run what `select` returns."""
+
+    def select(self):
+        return eqx_seq.AssociativeScan()
+
+
+def test_user_backends():
+    """A user's backend that declares `parallel` runs the matching algorithm: the
+    same numbers as the library's backend of that kind; a parallel one runs its own
+    `associative_scan`; `select()` is what every path reads (so an `AutoScan` whose
+    rule picks the parallel backend runs it, on CPU too)."""
+    model, ys, us = case("all")
+    ref = {k: build(model, s).filter(ys, us=us) for k, s in BACKENDS.items()}
+    tol = dict(rtol=1e-9, atol=1e-11)
+    for scan, kind in [
+        (_UserSequential(), "sequential"),
+        (_UserParallel(), "associative"),
+        (_PicksParallel(), "associative"),
+    ]:
+        out = build(model, scan).filter(ys, us=us)
+        for a, b in zip(jax.tree.leaves(out), jax.tree.leaves(ref[kind])):
+            np.testing.assert_allclose(a, b, **tol)
+    kf = build(model, _UserSequential())
+    f, sm, _, _ = reference(model, ys, us)
+    np.testing.assert_allclose(kf.smooth(ys, us=us).means, sm, **tol)
+    np.testing.assert_allclose(kf.log_likelihood(ys, us=us), f["ll"].sum(), **tol)
+
+
+def test_user_backends_missing_what_the_filter_needs(getkey):
+    """Never silently replaced: a backend without `parallel`, or a parallel one
+    without `associative_scan`, is refused with the reason."""
+
+    class NoFlag(eqx_seq.AbstractScan):
+        def recurrence(self, a, b, h0=None, *, reverse=False):
+            return b
+
+    class NoPytreeScan(NoFlag):
+        parallel = True
+
+    I2, I3 = np.eye(2), np.eye(3)
+    for scan, match in [
+        (NoFlag(), "supports backends that declare `parallel"),
+        (NoPytreeScan(), "implement `associative_scan`"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            eqx_seq.KalmanFilter(3, 2, scan=scan, key=getkey())
+        with pytest.raises(ValueError, match=match):
+            eqx_seq.KalmanFilter.from_matrices(
+                I3, np.ones((2, 3)), I3, I2, np.zeros(3), I3, scan=scan
+            )
