@@ -17,9 +17,10 @@ float32, one sequence, constant model; state 4 / obs 2 and state 16 / obs 8; T i
 - "seq smoother": our RTS smoother (Bryson-Frazier form) and dynamax's
   `lgssm_smoother`;
 - "par filter": our parallel (Särkkä & García-Fernández) filter, compile time
-  reported; its scan is `eqx_seq._level_scan.level_scan` (levels as a loop).
-  "par (lax.assoc)" is the same filter with `lax.associative_scan` swapped in,
-  for comparison (the previous implementation). Parallel programs run in a
+  reported; its scan is `AssociativeScan.associative_scan`, by default
+  `eqx_seq._level_scan.level_scan` (levels as a loop). "par (lax.assoc)" is the
+  same filter with `AssociativeScan(_pytree_scan="lax")`, i.e.
+  `lax.associative_scan`, for comparison (the previous implementation). Parallel programs run in a
   subprocess with a timeout: long `lax.associative_scan` programs have stalled on
   this CPU (benchmarks/README.md).
 
@@ -61,8 +62,8 @@ except ImportError:  # optional anchor (the `benchmarks` extra)
     lgssm_filter = None
 
 
-def model(n, p, backend):
-    return eqx_seq.KalmanFilter(n, p, scan=backend, key=jr.key(0))
+def model(n, p, backend, **private):
+    return eqx_seq.KalmanFilter(n, p, scan=backend, key=jr.key(0), **private)
 
 
 def dynamax_params(kf):
@@ -72,27 +73,17 @@ def dynamax_params(kf):
     return make_lgssm_params(F @ kf.m0, F @ P0 @ F.T + Q, F, Q, kf.H, kf.R)
 
 
-def exact_filter(kf, ys):
-    """Our filter with every step exact (the steady state switched off while
-    tracing), for comparison."""
-    from eqx_seq import _kalman
-
-    may_settle = _kalman._may_settle
-    _kalman._may_settle = lambda *args: False
-    try:
-        return _kalman._filter(kf, ys, None)
-    finally:
-        _kalman._may_settle = may_settle
-
-
 def programs(n, p, T):
     kf = model(n, p, eqx_seq.SequentialScan())
+    # the same model with every step exact (the steady state switched off)
+    exact = model(n, p, eqx_seq.SequentialScan(), _steady_state=False)
     _, ys = kf.sample(jr.key(1), T)
+    filt = eqx.filter_jit(lambda kf, ys: kf.filter(ys))
     ll = lambda kf, ys: kf.log_likelihood(ys)
     plain = lambda kf, ys: kf.filter(ys).log_likelihood
     progs = {
-        "ours: seq filter": (eqx.filter_jit(lambda kf, ys: kf.filter(ys)), (kf, ys)),
-        "ours: seq filter (exact)": (eqx.filter_jit(exact_filter), (kf, ys)),
+        "ours: seq filter": (filt, (kf, ys)),
+        "ours: seq filter (exact)": (filt, (exact, ys)),
         "ours: seq grad": (eqx.filter_jit(eqx.filter_grad(ll)), (kf, ys)),
         "ours: seq grad (plain AD)": (eqx.filter_jit(eqx.filter_grad(plain)), (kf, ys)),
         "ours: seq smoother": (
@@ -116,13 +107,8 @@ def programs(n, p, T):
 
 def parallel_child(n, p, T, repeats, use_lax):
     """Run in a subprocess: compile and time our parallel filter."""
-    if use_lax:
-        from eqx_seq import _kalman
-
-        _kalman.level_scan = lambda fn, elems, reverse=False: jax.lax.associative_scan(
-            fn, elems, reverse=reverse
-        )
-    kf = model(n, p, eqx_seq.AssociativeScan())
+    scan = eqx_seq.AssociativeScan(_pytree_scan="lax" if use_lax else "levels")
+    kf = model(n, p, scan)
     _, ys = kf.sample(jr.key(1), T)
     f = eqx.filter_jit(lambda kf, ys: kf.filter(ys))
     start = time.perf_counter()

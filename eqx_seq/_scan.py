@@ -1,28 +1,50 @@
 """Backends for the diagonal linear recurrence `h_t = a_t * h_{t-1} + b_t`.
 
 A backend is an immutable `eqx.Module` passed to a layer or function as its `scan`
-argument (the lineax/diffrax pattern). Backends only compute the primal recurrence;
-derivatives are defined once, for every backend, in `eqx_seq.linear_recurrence`.
+argument (the lineax/diffrax pattern). It carries what each layer asks of it: the
+primal recurrence, whether it is sequential or parallel (`parallel`), and for a
+parallel one a pytree scan (`associative_scan`). Derivatives are defined once, for
+every backend, in `eqx_seq.linear_recurrence`.
 """
 
 import abc
 import functools as ft
+from collections.abc import Callable
+from typing import Any, ClassVar, Literal
 
 import equinox as eqx
 import jax
 import jax.lax as lax
 import jax.numpy as jnp
-from jaxtyping import Array, Inexact
+from jaxtyping import Array, Inexact, PyTree
 
+from ._level_scan import level_scan
 from ._misc import check_positive_int, vary_like, zeros_like_inputs
 
 
 class AbstractScan(eqx.Module):
     """Abstract base class for recurrence backends.
 
-    Subclass it and implement [`eqx_seq.AbstractScan.recurrence`][] to add a backend;
-    it can then be passed as `scan=` anywhere in `eqx_seq`.
+    Subclass it and implement [`eqx_seq.AbstractScan.recurrence`][] to add a backend
+    for [`eqx_seq.linear_recurrence`][] and the layers built on it
+    ([`eqx_seq.S5`][], [`eqx_seq.LRU`][]).
+
+    [`eqx_seq.KalmanFilter`][] and [`eqx_seq.tridiagonal_solve`][] run algorithms of
+    their own and ask the backend which one: declare the class variable
+    `parallel: ClassVar[bool]` (`False`: the sequential algorithm; `True`: the
+    parallel one, for which the Kalman filter also needs
+    [`eqx_seq.AbstractScan.associative_scan`][]). A backend that does not declare
+    it is refused there with an error saying so, never replaced by another.
     """
+
+    # declared by each concrete backend; not required of every subclass, so that
+    # one implementing only `recurrence` still works where only that is asked
+    parallel: ClassVar[bool]
+
+    def select(self) -> "AbstractScan":
+        """The backend that runs: `self` for a concrete backend;
+        [`eqx_seq.AutoScan`][] returns the one its rule picks."""
+        return self
 
     @abc.abstractmethod
     def recurrence(
@@ -53,21 +75,46 @@ class AbstractScan(eqx.Module):
         All states `h`, shape `(T, *S)`.
         """
 
+    def associative_scan(
+        self, fn: Callable, elems: PyTree[Array], *, reverse: bool = False
+    ) -> PyTree[Array]:
+        """The inclusive scan of `elems` under an associative `fn`, with the
+        semantics of `jax.lax.associative_scan(fn, elems, reverse=reverse)`: the
+        pytree scan of a parallel backend (the parallel Kalman filter's).
+
+        Parallel backends implement it; the base raises `NotImplementedError`.
+
+        **Arguments:**
+
+        - `fn`: an associative operator on batches of elements: `fn(a, b)` takes two
+            pytrees whose leaves share a leading (batch) length and returns one like
+            them, `a` being the earlier element (the later one when `reverse`).
+        - `elems`: a pytree of arrays sharing the leading (time) length `T >= 1`.
+        - `reverse`: scan from the end.
+
+        **Returns:**
+
+        The inclusive scan, a pytree like `elems`.
+        """
+        raise NotImplementedError(
+            f"{type(self).__name__} does not implement `associative_scan`."
+        )
+
 
 class SequentialScan(AbstractScan):
-    """One step after another: `O(T)` depth and work.
+    """One step after another: `O(T)` depth and work (`parallel = False`).
 
     With `unroll=1` (the default), a loop that writes each state in place over a
     copy of `b`, so that under `jax.vmap` the batch axis stays in front (no
     transposes); with `unroll > 1`, `jax.lax.scan(..., unroll=unroll)`.
 
-    `AutoScan`'s choice on CPU: forward passes 1.8-3.4x and gradients 1.6-4.9x
-    faster than `AssociativeScan` there (T=64-4096), and much faster to compile
-    (`benchmarks/README.md`). On a GPU every step costs
-    kernel launches (about 15 us per step on an H100, where `unroll=16` was 10x
-    faster than `unroll=1`); `AssociativeScan` is the choice there.
+    Fast on CPU and cheap to compile; on a GPU every step costs kernel launches,
+    which [`eqx_seq.AssociativeScan`][] avoids. As a sequential backend it selects
+    the standard Kalman filter and smoother in [`eqx_seq.KalmanFilter`][], and the
+    Thomas algorithm (with this `unroll`) in [`eqx_seq.tridiagonal_solve`][].
     """
 
+    parallel: ClassVar[bool] = False
     unroll: int = eqx.field(default=1, static=True)
 
     def __check_init__(self):
@@ -86,8 +133,7 @@ class SequentialScan(AbstractScan):
         if h0 is not None:
             init = init + h0
         if self.unroll > 1:
-            # unrolled, the in-place loop made XLA copy the whole buffer at every
-            # step (140x slower at T=1024 on CPU)
+            # unrolled, the in-place loop made XLA copy the whole buffer at every step
             return _stacked(a, b, init, reverse, self.unroll)
         return _in_place(a, b, init, reverse)
 
@@ -113,14 +159,10 @@ def _stacked(a: Array, b: Array, init: Array, reverse: bool, unroll: int) -> Arr
 
 
 # The states overwrite a copy of `b` in a loop carry, one step at a time, instead of
-# being stacked as `lax.scan` outputs. Under `jax.vmap` (a batch of sequences) the
-# carry keeps the batch axis in front and each step reads and writes one strided
-# slice; stacked outputs made XLA transpose `b` and the states between batch-major
-# and time-major, and start from a zeroed buffer. Measured on CPU, `vmap` over 8
-# sequences of (4096, 32) complex64: forward 5.2 -> 2.8 ms, forward + adjoint
-# (`linear_recurrence`) 27.7 -> 6.7 ms, the same numbers. Autodiff traced through
-# this loop, though, copies the whole buffer at every step of the transposed loop
-# (75x slower at 4096 x 64), so its derivative is `_stacked`'s.
+# being stacked as `lax.scan` outputs: under `jax.vmap` the carry keeps the batch
+# axis in front, where stacked outputs made XLA transpose `b` and the states between
+# batch-major and time-major. Autodiff traced through this loop copies the whole
+# buffer at every step of the transposed loop, so its derivative is `_stacked`'s.
 @ft.partial(jax.custom_jvp, nondiff_argnums=(3,))
 def _in_place(a: Array, b: Array, init: Array, reverse: bool) -> Array:
     T = b.shape[0]
@@ -157,12 +199,32 @@ def _compose(earlier, later):
 
 
 class AssociativeScan(AbstractScan):
-    """In parallel with `jax.lax.associative_scan`: `O(log T)` depth, `O(T)` work.
+    """In parallel with `jax.lax.associative_scan`: `O(log T)` depth, `O(T)` work
+    (`parallel = True`).
 
     Composes the affine maps `h -> a_t * h + b_t` pairwise (Blelloch, "Prefix sums
     and their applications", 1990; Martin & Cundy, ICLR 2018). It materialises the
     decay over time, so a time-invariant `a` costs a `(T, *S)` buffer.
+
+    As a parallel backend it selects the parallel filter and smoother of Särkkä &
+    García-Fernández in [`eqx_seq.KalmanFilter`][], run by
+    [`eqx_seq.AbstractScan.associative_scan`][] (a scan whose levels are one loop, so
+    that a heavy operator is traced once), and parallel cyclic reduction in
+    [`eqx_seq.tridiagonal_solve`][].
     """
+
+    parallel: ClassVar[bool] = True
+    # The pytree scan behind `associative_scan`, for comparisons (diffrax's
+    # `scan_kind` style): "levels" is `level_scan`, "lax" `jax.lax.associative_scan`.
+    _pytree_scan: Literal["levels", "lax"] = eqx.field(
+        default="levels", static=True, repr=False
+    )
+
+    def __check_init__(self):
+        if self._pytree_scan not in ("levels", "lax"):
+            raise ValueError(
+                f'`_pytree_scan` must be "levels" or "lax", got {self._pytree_scan!r}.'
+            )
 
     def recurrence(
         self,
@@ -177,33 +239,39 @@ class AssociativeScan(AbstractScan):
         if reverse:
             # A backward run is a forward run in reversed time. Flipping here rather
             # than with `associative_scan(reverse=True)` leaves a time-invariant decay
-            # unflipped: measured 15-20% faster on CPU (benchmarks/README.md).
+            # unflipped, which is faster.
             time_varying = a.ndim == b.ndim
             a = jnp.flip(a, 0) if time_varying else a
             return jnp.flip(self.recurrence(a, jnp.flip(b, 0)), 0)
         _, h = lax.associative_scan(_compose, (jnp.broadcast_to(a, b.shape), b))
         return h
 
+    def associative_scan(
+        self, fn: Callable, elems: PyTree[Array], *, reverse: bool = False
+    ) -> PyTree[Array]:
+        if self._pytree_scan == "lax":
+            return lax.associative_scan(fn, elems, reverse=reverse)
+        return level_scan(fn, elems, reverse=reverse)
+
 
 class AutoScan(AbstractScan):
-    """Picks a backend at trace time from the platform.
+    """Picks a backend at trace time from the platform, by these rules:
 
-    The rule:
-
-    - on CPU, [`eqx_seq.SequentialScan`][] (`unroll=1`) at every length. Measured in
-        `benchmarks/bench_recurrence.py` for T from 64 to 4096: forward passes
-        1.8-3.4x and gradients 1.6-4.9x faster than the associative scan's,
-        compilation 2-4x faster, and larger `unroll` slower;
+    - on CPU, [`eqx_seq.SequentialScan`][] (`unroll=1`), at every length: its loop is
+        faster there than the associative scan's, forward and backward, and cheaper
+        to compile;
     - on GPU and TPU, [`eqx_seq.AssociativeScan`][], whose `O(log T)` depth is what
-        parallel hardware rewards. Measured on one H100 (jax 0.11.2): a sequential
-        loop costs about 15 us per step there (kernel launches), so at T=1024 the
-        associative S5 forward took 0.17 ms and the sequential one 15 ms.
+        parallel hardware rewards (a sequential loop pays kernel launches at every
+        step).
 
     The platform is `jax.default_backend()`, read at trace time.
+    [`eqx_seq.AutoScan.select`][] applies the rules; every layer that takes `scan=`
+    runs the backend it returns (in [`eqx_seq.KalmanFilter`][] and
+    [`eqx_seq.tridiagonal_solve`][], its sequential or parallel algorithm).
     """
 
     def select(self) -> AbstractScan:
-        """The backend this rule picks on the current platform."""
+        """The backend these rules pick on the current platform."""
         if jax.default_backend() == "cpu":
             return SequentialScan()
         return AssociativeScan()
@@ -217,3 +285,60 @@ class AutoScan(AbstractScan):
         reverse: bool = False,
     ) -> Inexact[Array, " T *S"]:
         return self.select().recurrence(a, b, h0, reverse=reverse)
+
+    def associative_scan(
+        self, fn: Callable, elems: PyTree[Array], *, reverse: bool = False
+    ) -> PyTree[Array]:
+        return self.select().associative_scan(fn, elems, reverse=reverse)
+
+
+def check_scan(
+    scan: Any, *, name: str, chooses: bool = False, pytree_scan: bool = False
+) -> AbstractScan:
+    """`scan.select()`: the backend that runs, after checking what the caller needs.
+
+    **Arguments:**
+
+    - `scan`: the `scan=` argument a user passed.
+    - `name`: the caller, for the error messages, e.g. `"eqx_seq.KalmanFilter"`.
+    - `chooses`: the caller runs an algorithm of its own, sequential or parallel as
+        the backend declares (`parallel`).
+    - `pytree_scan`: a parallel backend must also implement `associative_scan`.
+
+    **Raises:**
+
+    `ValueError` if `scan` is not an [`eqx_seq.AbstractScan`][], or lacks what the
+    caller needs.
+    """
+    if not isinstance(scan, AbstractScan):
+        raise ValueError(
+            f"{name}: `scan` must be an `eqx_seq.AbstractScan` such as "
+            f"`eqx_seq.SequentialScan()` or `eqx_seq.AssociativeScan()`, got {scan!r}."
+        )
+    chosen = scan.select()
+    if not isinstance(chosen, AbstractScan):
+        raise ValueError(
+            f"{name}: `{type(scan).__name__}.select()` must return an "
+            f"`eqx_seq.AbstractScan`, got {chosen!r}."
+        )
+    if not chooses:
+        return chosen
+    parallel = getattr(type(chosen), "parallel", None)
+    if not isinstance(parallel, bool):
+        raise ValueError(
+            f"{name} supports backends that declare `parallel: ClassVar[bool]` "
+            "(whether to run its sequential or its parallel algorithm), as "
+            "`eqx_seq.SequentialScan` and `eqx_seq.AssociativeScan` do; "
+            f"`{type(chosen).__name__}` does not declare it."
+        )
+    if (
+        parallel
+        and pytree_scan
+        and type(chosen).associative_scan is AbstractScan.associative_scan
+    ):
+        raise ValueError(
+            f"{name} supports parallel backends that implement `associative_scan` "
+            "(the pytree scan of its parallel algorithm); "
+            f"`{type(chosen).__name__}` declares `parallel = True` but does not."
+        )
+    return chosen

@@ -18,24 +18,12 @@ import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike, Inexact
 
 from ._misc import error_if_any, vary_like
-from ._scan import AbstractScan, AssociativeScan, AutoScan, SequentialScan
+from ._scan import AbstractScan, AutoScan, check_scan
 from ._tridiagonal_pcr import _pcr, _shift, _zero_corners
 from ._tridiagonal_thomas import _lu_solve, _thomas
 
 
 # ------------------------------------------------------------- the public solve
-def _backend(scan: AbstractScan) -> AbstractScan:
-    if isinstance(scan, AutoScan):
-        scan = scan.select()
-    if not isinstance(scan, (SequentialScan, AssociativeScan)):
-        raise ValueError(
-            "`tridiagonal_solve(..., scan=...)` supports `eqx_seq.SequentialScan()` "
-            "(Thomas), `eqx_seq.AssociativeScan()` (parallel cyclic reduction) and "
-            f"`eqx_seq.AutoScan()`, got {scan!r}."
-        )
-    return scan
-
-
 def _matvec(l, d, u, x, *, axis: int) -> Array:
     """`A x` for the tridiagonal `A`: `l[i] x[i-1] + d[i] x[i] + u[i] x[i+1]`."""
     below = _shift(x, 1, axis, 0, down=True)
@@ -106,8 +94,8 @@ def _checked(l, d, u, r, x, *, axis: int, dominance: bool) -> Array:
 @eqx.filter_jit
 def _solve(l, d, u, r, axis, scan, pivoting, check):
     full = r.shape
-    if isinstance(scan, SequentialScan) and not pivoting:
-        x = _thomas_solve(l, d, u, r, axis, scan.unroll)
+    if not scan.parallel and not pivoting:
+        x = _thomas_solve(l, d, u, r, axis, getattr(scan, "unroll", 1))
         if check:
             x = _checked(l, d, u, r, x, axis=axis, dominance=True)
         return x
@@ -239,12 +227,7 @@ def tridiagonal_solve(
         "Bounding the error in Gaussian elimination for tridiagonal systems", SIAM
         J. Matrix Anal. Appl. 11(4), 1990.
     """
-    if not isinstance(scan, AbstractScan):
-        raise ValueError(
-            "`tridiagonal_solve(..., scan=...)` must be an `eqx_seq.AbstractScan`, "
-            f"got {scan!r}."
-        )
-    scan = _backend(scan)
+    scan = check_scan(scan, name="eqx_seq.tridiagonal_solve", chooses=True)
     try:
         arrays = [jnp.asarray(x) for x in (lower, diag, upper, rhs)]
     except TypeError as e:

@@ -1,11 +1,13 @@
 """The level-loop associative scan against `lax.associative_scan` and a NumPy loop."""
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from eqx_seq._kalman import _combine_filter, _filter_elements, _whiten
+from eqx_seq._kalman._parallel import _combine_filter, _filter_elements
+from eqx_seq._kalman._problem import prepare
 from eqx_seq._level_scan import level_scan
 
 
@@ -94,12 +96,9 @@ def test_kalman_elements_match_lax():
     kf = eqx_seq.KalmanFilter(3, 2, key=jr.key(0))
     ys = jnp.asarray(np.random.default_rng(1).normal(size=(6, 2)))
 
-    @jax.jit
-    def both(model, ys):
-        obs = ~jnp.isnan(ys)
-        W, _ = _whiten(model.L_R, obs, False)
-        yw = jnp.einsum("tij,tj->ti", W, ys)
-        elems = _filter_elements(model, None, yw, obs, W)
+    @eqx.filter_jit
+    def both(kf, ys):
+        elems = _filter_elements(prepare(kf, ys, None, "missing"))
         combine = jax.vmap(_combine_filter)
         # K=2: all three phases (blocks, doubling over 3 totals, absorption)
         return (
@@ -107,7 +106,7 @@ def test_kalman_elements_match_lax():
             jax.lax.associative_scan(combine, elems),
         )
 
-    ours, ref = both(kf._model(), ys)
+    ours, ref = both(kf, ys)
     for o, r in zip(ours, ref):
         np.testing.assert_allclose(o, r, rtol=1e-9, atol=1e-11)
 

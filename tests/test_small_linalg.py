@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from eqx_seq import _small_linalg as small_linalg
+from eqx_seq._kalman import _linalg as small_linalg
 
 
 @pytest.mark.parametrize("n", [1, 2, 5, 8])

@@ -444,3 +444,39 @@ def test_bad_input():
 
     with pytest.raises(ValueError, match="supports"):
         solve(ones, ones, ones, ones, scan=Other())
+
+
+def test_user_backends():
+    """A user's backend runs the algorithm of the kind it declares (`parallel`):
+    Thomas for a sequential one (reading `unroll` if it has one), PCR for a parallel
+    one, the same numbers as the library's backend of that kind; `select()` is what
+    the solve reads. One that does not declare `parallel` is refused (in
+    `test_bad_input`)."""
+
+    class UserSequential(eqx_seq.AbstractScan):
+        parallel = False
+
+        def recurrence(self, a, b, h0=None, *, reverse=False):
+            raise AssertionError("not called")
+
+    class UserParallel(UserSequential):
+        parallel = True
+
+    class PicksParallel(eqx_seq.AutoScan):
+        def select(self):
+            return eqx_seq.AssociativeScan()
+
+    rng = np.random.default_rng(0)
+    n = 9
+    lower, upper = rng.normal(size=(2, n, 3))
+    diag = 4 + rng.uniform(size=(n, 3))
+    rhs = rng.normal(size=(n, 3))
+
+    def solve(scan):
+        return eqx_seq.tridiagonal_solve(lower, diag, upper, rhs, scan=scan)
+
+    seq = solve(scan=eqx_seq.SequentialScan())
+    par = solve(scan=eqx_seq.AssociativeScan())
+    np.testing.assert_array_equal(solve(scan=UserSequential()), seq)
+    np.testing.assert_array_equal(solve(scan=UserParallel()), par)
+    np.testing.assert_array_equal(solve(scan=PicksParallel()), par)

@@ -1,0 +1,13 @@
+"""The Kalman filter: the layer and its results.
+
+Read top-down: `_layer` (the layer) -> `_fisher` (the log-likelihood's gradient) ->
+`_dispatch` (backend and whitening) -> `_sequential` / `_parallel` (the filters and
+smoothers) -> `_steady` (the steady-state shortcut) -> `_step` (one filter step) ->
+`_problem` (the prepared observations) / `_parameters` -> `_linalg`.
+"""
+
+from ._layer import KalmanFilter as KalmanFilter
+from ._results import (
+    KalmanFilterResult as KalmanFilterResult,
+    KalmanSmootherResult as KalmanSmootherResult,
+)

@@ -1,0 +1,84 @@
+"""From a `KalmanFilter` and observations to the algorithm that runs: the backend's
+sequential or parallel filter and smoother, on the observations whitened one way or
+the other."""
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, TypeVar
+
+import jax.lax as lax
+import jax.numpy as jnp
+from jaxtyping import Array
+
+from .._misc import full_precision
+from .._scan import AbstractScan, check_scan
+from ._parallel import filter_parallel, smooth_parallel
+from ._problem import _all_observed, _Problem, prepare, Whitening
+from ._results import KalmanFilterResult, KalmanSmootherResult
+from ._sequential import filter_recorded, filter_sequential, smooth_sequential
+
+
+if TYPE_CHECKING:
+    from ._layer import KalmanFilter
+
+_Out = TypeVar("_Out")
+
+
+def backend(scan: AbstractScan) -> AbstractScan:
+    """The backend that runs; it declares whether it is `parallel`, and a parallel
+    one implements `associative_scan`."""
+    return check_scan(scan, name="eqx_seq.KalmanFilter", chooses=True, pytree_scan=True)
+
+
+def by_whitening(
+    ys: Array, scan: AbstractScan, work: Callable[[Whitening], _Out]
+) -> _Out:
+    """`work(whitening)` with the whitening that suits the data and the backend.
+
+    With complete data `W` is one constant matrix: for the sequential backend `work`
+    runs in one branch of a `lax.cond` per case (so that the loop keeps `W` outside);
+    for the parallel backend only the whitening is cond'ed (inside `prepare`), so
+    that the (slow to compile) parallel program appears once.
+    """
+    if scan.parallel:
+        return work("either")
+    complete = _all_observed(~jnp.isnan(ys))
+    return lax.cond(complete, lambda: work("complete"), lambda: work("missing"))
+
+
+def filter_problem(
+    problem: _Problem, scan: AbstractScan, steady_state: bool
+) -> KalmanFilterResult:
+    if scan.parallel:
+        return filter_parallel(problem, scan)
+    return filter_sequential(problem, steady_state=steady_state)
+
+
+def smooth_problem(problem: _Problem, scan: AbstractScan) -> KalmanSmootherResult:
+    """The smoother, which always runs the exact filter."""
+    if scan.parallel:
+        return smooth_parallel(problem.model, filter_parallel(problem, scan), scan)
+    filtered, recorded = filter_recorded(problem)
+    return smooth_sequential(problem.model, filtered, recorded)
+
+
+@full_precision
+def filter_(
+    kf: "KalmanFilter", ys: Array, us: Array | None, scan: AbstractScan
+) -> KalmanFilterResult:
+    """The filter of `kf` on `ys` and `us` (checked) with the backend `scan`."""
+
+    def work(whitening):
+        problem = prepare(kf, ys, us, whitening)
+        return filter_problem(problem, scan, kf._steady_state)
+
+    return by_whitening(ys, scan, work)
+
+
+@full_precision
+def smooth(
+    kf: "KalmanFilter", ys: Array, us: Array | None, scan: AbstractScan
+) -> KalmanSmootherResult:
+    """The smoother of `kf` on `ys` and `us` (checked) with the backend `scan`."""
+    return by_whitening(
+        ys, scan, lambda whitening: smooth_problem(prepare(kf, ys, us, whitening), scan)
+    )

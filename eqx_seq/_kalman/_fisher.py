@@ -1,0 +1,172 @@
+"""The log-likelihood's gradient by Fisher's identity,
+`d/dθ log p(y | θ) = E[d/dθ log p(x, y | θ) | y]`: the gradient of the expected
+complete-data log-likelihood at the smoother's moments, so that reverse mode costs
+one filter, one smoother and a batched gradient, with no autodiff through the loop
+(Shumway & Stoffer, J. Time Series Analysis 1982; Segal & Weinstein, Proc. IEEE
+1989). Where the steady state applies, plain autodiff through the steady-state
+filter is cheaper, and is used instead. See `docs/devdocs/kalman.md`, "Fisher's
+identity".
+"""
+
+from typing import TYPE_CHECKING
+
+import equinox as eqx
+import jax
+import jax.lax as lax
+import jax.numpy as jnp
+import jax.scipy.linalg as jsl
+from jaxtyping import Array
+
+from .._misc import full_precision, vary_like
+from .._scan import AbstractScan
+from ._dispatch import by_whitening, filter_, smooth_problem
+from ._linalg import _bmm, _cho_solve, _eye_like, _gram, _LOG_2PI, _mT
+from ._problem import _bt, _per_step, _Problem, prepare
+from ._steady import _may_settle, filter_steady
+from ._step import _predict
+
+
+if TYPE_CHECKING:
+    from ._layer import KalmanFilter
+
+
+def _sum_tr(A: Array, X: Array, B: Array) -> Array:
+    """`sum_t tr(A_t X_t B_t^T)`; `A`, `B` constant or per step, `X` per step."""
+    if A.ndim == 2 and B.ndim == 2:
+        return jnp.sum((A @ jnp.sum(X, axis=0)) * B)
+    T = X.shape[0]
+    return jnp.sum(_bmm(_bt(A, T), X) * _bt(B, T))
+
+
+def _expected_log_joint(problem: _Problem, stats) -> Array:
+    """`E[log p(x_1..x_T, y_1..y_T)]` over a fixed Gaussian posterior.
+
+    `stats = (means, covs, cross_covs)` are the smoother's moments of `x_1..x_T`
+    (`x_0` is integrated out: `x_1 ~ N(F_1 m0 + B u_1, F_1 P0 F_1^T + Q_1)`); only
+    observed entries of `y` count. Linear in the statistics and scan-free; its
+    gradient at the problem the statistics came from is the log-likelihood's
+    (Fisher's identity). Quadratic forms in `Q^{-1}`, `Sigma_1^{-1}` go through
+    triangular solves with the Cholesky factors.
+    """
+    model, c = problem.model, problem.c
+    ms, Ps, cross = stats
+    T, n = ms.shape
+    F_v, Q_v = _per_step(model.F, 2), _per_step(model.L_Q, 2)
+    dtype = ms.dtype
+    # x_1
+    F1 = model.F[0] if F_v else model.F
+    LQ1 = model.L_Q[0] if Q_v else model.L_Q
+    mu1, S1 = _predict(
+        model.m0, _gram(model.L_P0), F1, LQ1, None if c is None else c[0]
+    )
+    L1 = jnp.linalg.cholesky(S1)
+    d1 = ms[0] - mu1
+    q1 = jnp.trace(_cho_solve(L1, Ps[0] + d1[:, None] * d1[None, :]))
+    ll = -0.5 * (n * _LOG_2PI + q1) - jnp.sum(jnp.log(jnp.diagonal(L1)))
+    # transitions x_{t-1} -> x_t, t = 2..T
+    if T > 1:
+        F = model.F[1:] if F_v else model.F
+        L_Q = model.L_Q[1:] if Q_v else model.L_Q
+        K = jsl.solve_triangular(L_Q, _eye_like(L_Q), lower=True)  # L_Q^{-1}
+        d = ms[1:] - (
+            ms[:-1] @ _mT(F) if not F_v else jnp.einsum("tij,tj->ti", F, ms[:-1])
+        )
+        if c is not None:
+            d = d - c[1:]
+        Kd = d @ K.T if not Q_v else jnp.einsum("tij,tj->ti", K, d)
+        KF = K @ F
+        quad = (
+            jnp.sum(Kd * Kd)
+            + _sum_tr(K, Ps[1:], K)
+            - 2 * _sum_tr(KF, cross, K)
+            + _sum_tr(KF, Ps[:-1], KF)
+        )
+        logdet_Q = jnp.sum(jnp.log(jnp.diagonal(L_Q, axis1=-2, axis2=-1)))
+        logdet_Q = logdet_Q * (1 if Q_v else T - 1)
+        ll = ll - 0.5 * ((T - 1) * n * _LOG_2PI + quad) - logdet_Q
+    # emissions
+    Hw = problem.W @ model.H
+    r = problem.yw - (
+        ms @ _mT(Hw) if Hw.ndim == 2 else jnp.einsum("tij,tj->ti", Hw, ms)
+    )
+    quad = jnp.sum(r * r) + _sum_tr(Hw, Ps, Hw)
+    num_obs = jnp.sum(problem.obs).astype(dtype)
+    return ll - 0.5 * (num_obs * _LOG_2PI + quad) - jnp.sum(problem.logdet)
+
+
+def _steady_log_likelihood(problem: _Problem) -> tuple[Array, Array]:
+    """The log-likelihood through the steady-state filter, and whether its
+    covariance settled (if not, the value is not the log-likelihood)."""
+    result, settled = filter_steady(problem, exact_fallback=False)
+    return result.log_likelihood, settled
+
+
+def _value_and_cotangent(problem: _Problem, scan: AbstractScan, steady_state: bool):
+    """The log-likelihood and its gradient with respect to `problem`."""
+
+    def fisher():
+        sm = smooth_problem(problem, scan)
+        stats = (sm.means, sm.covs, sm.cross_covs)
+        grad = eqx.filter_grad(_expected_log_joint)(problem, stats)
+        return sm.filtered.log_likelihood, grad
+
+    if scan.parallel or not (steady_state and _may_settle(problem)):
+        return fisher()
+    # complete data (`W` one matrix), time-invariant model: plain autodiff through
+    # the steady-state filter, cheaper than the smoother, when its covariance
+    # settled (which depends on the model only, so the `cond` stays a branch under
+    # `vmap` over sequences); else Fisher's identity
+    (value, settled), grad = eqx.filter_value_and_grad(
+        _steady_log_likelihood, has_aux=True
+    )(problem)
+    return lax.cond(settled, lambda: (value, grad), fisher)
+
+
+@full_precision
+def fisher_log_likelihood(
+    kf: "KalmanFilter", ys: Array, us: Array | None, scan: AbstractScan
+) -> Array:
+    """The log-likelihood, differentiated by Fisher's identity (a custom JVP).
+
+    Its tangent is `<g, dot>` with `g` the gradient of `_expected_log_joint` at the
+    smoother's statistics (computed from primal values: no autodiff through the
+    filter), pulled back through `prepare` to the parameters, observations and
+    controls; so reverse mode transposes a linear map. Differentiating `g` again
+    (Hessians) goes through the smoother by plain autodiff.
+    """
+    params, static = eqx.partition(kf, eqx.is_inexact_array)
+
+    @jax.custom_jvp
+    def log_likelihood(params, ys, us):
+        return filter_(eqx.combine(params, static), ys, us, scan).log_likelihood
+
+    @log_likelihood.defjvp
+    @full_precision
+    def log_likelihood_jvp(primals, tangents):
+        params, ys, us = primals
+        # under `shard_map`, parameters that vary like the data (as `prepare` makes
+        # the model), so that the gradients the branches below return have one type
+        data = (ys,) if us is None else (ys, us)
+        params = jax.tree.map(lambda p: vary_like(p, *data), params)
+
+        def value_and_grads(whitening):
+            problem, pullback = eqx.filter_vjp(
+                lambda p, y, u: prepare(eqx.combine(p, static), y, u, whitening),
+                params,
+                ys,
+                us,
+            )
+            value, cotangent = _value_and_cotangent(problem, scan, kf._steady_state)
+            return value, pullback(cotangent)
+
+        value, grads = by_whitening(ys, scan, value_and_grads)
+        dot = sum(
+            (
+                jnp.vdot(g, t)
+                for g, t in zip(jax.tree.leaves(grads), jax.tree.leaves(tangents))
+            ),
+            start=jnp.zeros((), value.dtype),
+        )
+        return value, dot
+
+    return log_likelihood(params, ys, us)

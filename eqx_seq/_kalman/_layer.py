@@ -1,0 +1,424 @@
+"""`KalmanFilter`: the layer, its checks, and its compiled entry points."""
+
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.lax as lax
+import jax.numpy as jnp
+import jax.random as jr
+from jaxtyping import Array, ArrayLike, Float, PRNGKeyArray
+
+from .._misc import check_parameter_dtype, check_positive_int, full_precision
+from .._scan import AbstractScan, AutoScan
+from ._dispatch import backend, filter_, smooth
+from ._fisher import fisher_log_likelihood
+from ._linalg import _factor, _gram
+from ._parameters import _Parameters, parameters_from_matrices, random_parameters
+from ._problem import _model, _per_step
+from ._results import KalmanFilterResult, KalmanSmootherResult
+
+
+class KalmanFilter(eqx.Module):
+    r"""A linear-Gaussian state-space model: Kalman filter, RTS smoother, sampler.
+
+    The model, for steps `t = 1, ..., T` (row `t - 1` of every array), starting
+    from `x_0 ~ N(m0, P0)` (before the first observation):
+
+    $$x_t = F_t x_{t-1} + B u_t + q_t, \quad q_t \sim N(0, Q_t)$$
+    $$y_t = H_t x_t + D u_t + r_t, \quad r_t \sim N(0, R_t)$$
+
+    `F`, `H`, `Q` and `R` may each carry a leading time axis of length `T`; `u_t`
+    are optional controls. As a layer, `kf(ys)` returns the filtered means. The
+    covariances are learnt as unconstrained Cholesky factors (`Q_factor`,
+    `R_factor`, `P0_factor`), so that every parameter value is a valid model. NaN
+    entries of `ys` are missing observations, skipped exactly.
+
+    `scan` selects the algorithm: with a sequential backend
+    ([`eqx_seq.SequentialScan`][]) the standard filter and an information-form RTS
+    smoother in a loop, with a steady-state shortcut for time-invariant models with
+    complete data; with a parallel one ([`eqx_seq.AssociativeScan`][]) those of
+    Särkkä & García-Fernández (IEEE TAC 2021), in the backend's `associative_scan`.
+    [`eqx_seq.KalmanFilter.log_likelihood`][] is differentiated by Fisher's
+    identity. The guide: `docs/usage/kalman.md`.
+
+    !!! Example
+
+        ```python
+        import jax
+        import jax.numpy as jnp
+        import jax.random as jr
+        import eqx_seq
+
+        kf = eqx_seq.KalmanFilter(state_size=4, obs_size=2, key=jr.key(0))
+        states, ys = kf.sample(jr.key(1), 100)
+        ys = ys.at[10:20].set(jnp.nan)            # missing observations
+        means = kf(ys)                             # (100, 4) filtered means
+        smoothed = kf.smooth(ys)                   # .means, .covs, .filtered
+        grads = jax.grad(lambda kf: -kf.log_likelihood(ys))(kf)
+        ```
+    """
+
+    F: Float[Array, "*T n n"]
+    H: Float[Array, "*T p n"]
+    B: Float[Array, "n c"] | None
+    D: Float[Array, "p c"] | None
+    m0: Float[Array, " n"]
+    Q_factor: Float[Array, "*T n n"]
+    R_factor: Float[Array, "*T p p"]
+    P0_factor: Float[Array, "n n"]
+    scan: AbstractScan
+    state_size: int = eqx.field(static=True)
+    obs_size: int = eqx.field(static=True)
+    control_size: int = eqx.field(static=True)
+    num_steps: int | None = eqx.field(static=True)
+    # False: every step of the sequential filter exact (for comparisons)
+    _steady_state: bool = eqx.field(static=True, repr=False)
+
+    def __init__(
+        self,
+        state_size: int,
+        obs_size: int,
+        *,
+        control_size: int = 0,
+        scan: AbstractScan = AutoScan(),
+        dtype: Any = None,
+        key: PRNGKeyArray,
+        _parameters: _Parameters | None = None,
+        _steady_state: bool = True,
+    ):
+        """**Arguments:**
+
+        - `state_size`: the size `n` of the hidden state `x_t`.
+        - `obs_size`: the size `p` of the observations `y_t`.
+        - `control_size`: the size `c` of the controls `u_t`; `0` for none.
+        - `scan`: the backend, see the class docstring.
+        - `dtype`: the parameters' dtype, float32 or float64 (default: JAX's
+            default floating dtype).
+        - `key`: a `jax.random.key` for the initialisation.
+
+        The initial model is stable and stationary: `F = 0.9 U` with `U` a random
+        orthogonal matrix, `Q = 0.19 I`, `m0 = 0` and `P0 = I` (the stationary
+        covariance); `H` has `N(0, 1/n)` entries and `R = I`; `B` has `N(0, 1/c)`
+        entries and `D = 0`.
+        """
+        check_positive_int("state_size", state_size)
+        check_positive_int("obs_size", obs_size)
+        if not (isinstance(control_size, int) and control_size >= 0) or isinstance(
+            control_size, bool
+        ):
+            raise ValueError(
+                f"`control_size` must be a non-negative int, got {control_size!r}."
+            )
+        backend(scan)
+        dtype = check_parameter_dtype("KalmanFilter", dtype)
+        n, p, c = state_size, obs_size, control_size
+        # `from_matrices` passes the parameters it made (and no key)
+        if _parameters is None:
+            _parameters = random_parameters(n, p, c, dtype, key)
+        self.F, self.H, self.B, self.D, self.m0 = _parameters[:5]
+        self.Q_factor, self.R_factor, self.P0_factor = _parameters[5:8]
+        self.num_steps = _parameters.num_steps
+        self.scan = scan
+        self.state_size, self.obs_size, self.control_size = n, p, c
+        self._steady_state = _steady_state
+
+    @classmethod
+    def from_matrices(
+        cls,
+        F: Float[ArrayLike, "*T n n"],
+        H: Float[ArrayLike, "*T p n"],
+        Q: Float[ArrayLike, "*T n n"],
+        R: Float[ArrayLike, "*T p p"],
+        m0: Float[ArrayLike, " n"],
+        P0: Float[ArrayLike, "n n"],
+        *,
+        B: Float[ArrayLike, "n c"] | None = None,
+        D: Float[ArrayLike, "p c"] | None = None,
+        scan: AbstractScan = AutoScan(),
+        dtype: Any = None,
+    ) -> "KalmanFilter":
+        """A Kalman filter for a given model.
+
+        **Arguments:**
+
+        - `F`: the transition matrix, `(n, n)` or `(T, n, n)`.
+        - `H`: the emission matrix, `(p, n)` or `(T, p, n)`.
+        - `Q`, `R`: the transition and observation noise covariances, `(n, n)` /
+            `(p, p)` or with a leading `T`; symmetric positive definite.
+        - `m0`, `P0`: mean and covariance of `x_0`, the state before the first
+            observation.
+        - `B`, `D`: optional control matrices `(n, c)` and `(p, c)`; give one or
+            both to use controls (the missing one is zero).
+        - `scan`: the backend, see the class docstring.
+        - `dtype`: the parameters' dtype; default: the common dtype of the inputs
+            (floating).
+
+        All time-varying matrices must share the same length `T`, which the
+        observations must then have.
+
+        **Returns:**
+
+        A [`eqx_seq.KalmanFilter`][] whose parameters encode these matrices.
+
+        **Raises:**
+
+        `ValueError` for inconsistent shapes; at run time (`eqx.error_if`) if `Q`,
+        `R` or `P0` is not symmetric positive definite.
+        """
+        backend(scan)
+        arrays = {"F": F, "H": H, "Q": Q, "R": R, "m0": m0, "P0": P0, "B": B, "D": D}
+        params = parameters_from_matrices(arrays, dtype)
+        n, p = params.F.shape[-1], params.H.shape[-2]
+        c = 0 if params.B is None else params.B.shape[1]
+        return cls(
+            n,
+            p,
+            control_size=c,
+            scan=scan,
+            dtype=params.F.dtype,
+            key=None,
+            _parameters=params,
+        )
+
+    # --- the matrices ---
+
+    @property
+    def Q(self) -> Float[Array, "*T n n"]:
+        """The transition noise covariance `Q = L L^T` (from `Q_factor`)."""
+        return _gram(_factor(self.Q_factor))
+
+    @property
+    def R(self) -> Float[Array, "*T p p"]:
+        """The observation noise covariance `R = L L^T` (from `R_factor`)."""
+        return _gram(_factor(self.R_factor))
+
+    @property
+    def P0(self) -> Float[Array, "n n"]:
+        """The covariance of `x_0` (from `P0_factor`)."""
+        return _gram(_factor(self.P0_factor))
+
+    # --- checks ---
+
+    def _inputs(self, ys: Any, us: Any, caller: str) -> tuple[Array, Array | None]:
+        """Validate observations and controls; cast them to the parameters' dtype."""
+        dtype = self.m0.dtype
+        ys = jnp.asarray(ys)
+        if not jnp.issubdtype(ys.dtype, jnp.floating):
+            raise ValueError(
+                f"eqx_seq.KalmanFilter.{caller}: `ys` must be floating (NaN marks a "
+                f"missing entry), got dtype {ys.dtype}."
+            )
+        if ys.ndim != 2 or ys.shape[1] != self.obs_size or ys.shape[0] < 1:
+            raise ValueError(
+                f"eqx_seq.KalmanFilter.{caller}: `ys` must have shape (T, obs_size) "
+                f"= (T, {self.obs_size}) with T >= 1, got {ys.shape}. Use `jax.vmap` "
+                "for a batch of sequences."
+            )
+        T = ys.shape[0]
+        self._check_length(T, caller)
+        return ys.astype(dtype), self._controls(us, T, caller)
+
+    def _check_length(self, T: int, caller: str) -> None:
+        if self.num_steps is not None and T != self.num_steps:
+            raise ValueError(
+                f"eqx_seq.KalmanFilter.{caller}: this model is time-varying with "
+                f"{self.num_steps} steps, but the sequence has {T}."
+            )
+
+    def _controls(self, us: Any, T: int, caller: str) -> Array | None:
+        c = self.control_size
+        if c == 0:
+            if us is not None:
+                raise ValueError(
+                    f"eqx_seq.KalmanFilter.{caller}: got controls `us` but this model "
+                    "has control_size=0."
+                )
+            return None
+        if us is None:
+            raise ValueError(
+                f"eqx_seq.KalmanFilter.{caller}: this model has control_size={c}; "
+                f"pass `us` of shape (T, {c})."
+            )
+        us = jnp.asarray(us)
+        if us.shape != (T, c) or not jnp.issubdtype(us.dtype, jnp.floating):
+            raise ValueError(
+                f"eqx_seq.KalmanFilter.{caller}: `us` must be a floating array of "
+                f"shape (T, control_size) = ({T}, {c}), got {us.shape} {us.dtype}."
+            )
+        return us.astype(self.m0.dtype)
+
+    # --- inference ---
+
+    @jax.named_scope("eqx_seq.KalmanFilter")
+    def __call__(
+        self,
+        ys: Float[ArrayLike, "T p"],
+        *,
+        us: Float[ArrayLike, "T c"] | None = None,
+        key: PRNGKeyArray | None = None,
+    ) -> Float[Array, "T n"]:
+        """The filtered means: the layer's output.
+
+        **Arguments:**
+
+        - `ys`: observations, shape `(T, obs_size)`; NaN marks a missing entry.
+        - `us`: controls, shape `(T, control_size)`, iff `control_size > 0`.
+        - `key`: ignored; for compatibility with the Equinox layer API.
+
+        **Returns:**
+
+        `E[x_t | y_1..y_t]` for every step, shape `(T, state_size)`.
+        """
+        del key
+        return self.filter(ys, us=us).means
+
+    @jax.named_scope("eqx_seq.KalmanFilter.filter")
+    def filter(
+        self,
+        ys: Float[ArrayLike, "T p"],
+        *,
+        us: Float[ArrayLike, "T c"] | None = None,
+    ) -> KalmanFilterResult:
+        """Filtered moments and the log-likelihood.
+
+        **Arguments:**
+
+        - `ys`: observations, shape `(T, obs_size)`; NaN marks a missing entry.
+        - `us`: controls, shape `(T, control_size)`, iff `control_size > 0`.
+
+        **Returns:**
+
+        A [`eqx_seq.KalmanFilterResult`][]: filtered and predicted means and
+        covariances, per-step log-likelihoods and their sum.
+        """
+        ys, us = self._inputs(ys, us, "filter")
+        return _filter_jit(self, ys, us)
+
+    @jax.named_scope("eqx_seq.KalmanFilter.log_likelihood")
+    def log_likelihood(
+        self,
+        ys: Float[ArrayLike, "T p"],
+        *,
+        us: Float[ArrayLike, "T c"] | None = None,
+    ) -> Float[Array, ""]:
+        """The log-likelihood `log p(y_1..y_T)` of the observed entries.
+
+        **Arguments:**
+
+        - `ys`: observations, shape `(T, obs_size)`; NaN marks a missing entry.
+        - `us`: controls, shape `(T, control_size)`, iff `control_size > 0`.
+
+        **Returns:**
+
+        A scalar. Per-step terms are `filter(ys).log_likelihoods`.
+
+        Its derivatives come from Fisher's identity with the smoother's statistics
+        (see the class docstring): a gradient costs about one filter and one
+        smoother. `filter(ys).log_likelihood` is the same number with plain
+        autodiff through the filter.
+        """
+        ys, us = self._inputs(ys, us, "log_likelihood")
+        return _log_likelihood_jit(self, ys, us)
+
+    @jax.named_scope("eqx_seq.KalmanFilter.smooth")
+    def smooth(
+        self,
+        ys: Float[ArrayLike, "T p"],
+        *,
+        us: Float[ArrayLike, "T c"] | None = None,
+    ) -> KalmanSmootherResult:
+        """Smoothed moments (Rauch-Tung-Striebel).
+
+        Rauch, Tung & Striebel, "Maximum likelihood estimates of linear dynamic
+        systems", AIAA Journal 1965; with a sequential backend in Bryson-Frazier
+        (information) form, Bierman 1977; in parallel, Särkkä & García-Fernández
+        2021.
+
+        **Arguments:**
+
+        - `ys`: observations, shape `(T, obs_size)`; NaN marks a missing entry.
+        - `us`: controls, shape `(T, control_size)`, iff `control_size > 0`.
+
+        **Returns:**
+
+        A [`eqx_seq.KalmanSmootherResult`][]: smoothed means and covariances,
+        lag-one cross-covariances, and the filter's result.
+        """
+        ys, us = self._inputs(ys, us, "smooth")
+        return _smooth_jit(self, ys, us)
+
+    @jax.named_scope("eqx_seq.KalmanFilter.sample")
+    def sample(
+        self,
+        key: PRNGKeyArray,
+        num_steps: int,
+        *,
+        us: Float[ArrayLike, "T c"] | None = None,
+    ) -> tuple[Float[Array, "T n"], Float[Array, "T p"]]:
+        """Draw states and observations from the model.
+
+        **Arguments:**
+
+        - `key`: a `jax.random.key`.
+        - `num_steps`: the number `T` of steps.
+        - `us`: controls, shape `(T, control_size)`, iff `control_size > 0`.
+
+        **Returns:**
+
+        `(states, observations)`: `x_1..x_T`, shape `(T, state_size)`, and
+        `y_1..y_T`, shape `(T, obs_size)`.
+        """
+        check_positive_int("num_steps", num_steps)
+        self._check_length(num_steps, "sample")
+        us = self._controls(us, num_steps, "sample")
+        return _sample_jit(self, key, num_steps, us)
+
+
+@eqx.filter_jit
+def _filter_jit(kf: KalmanFilter, ys: Array, us: Array | None) -> KalmanFilterResult:
+    return filter_(kf, ys, us, backend(kf.scan))
+
+
+@eqx.filter_jit
+def _smooth_jit(kf: KalmanFilter, ys: Array, us: Array | None) -> KalmanSmootherResult:
+    return smooth(kf, ys, us, backend(kf.scan))
+
+
+@eqx.filter_jit
+def _log_likelihood_jit(kf: KalmanFilter, ys: Array, us: Array | None) -> Array:
+    return fisher_log_likelihood(kf, ys, us, backend(kf.scan))
+
+
+@eqx.filter_jit
+@full_precision
+def _sample_jit(kf: KalmanFilter, key, num_steps: int, us: Array | None):
+    model = _model(kf)
+    L_R = _factor(kf.R_factor)
+    n, p = kf.state_size, kf.obs_size
+    dtype = model.m0.dtype
+    k0, kq, kr = jr.split(key, 3)
+    x0 = model.m0 + model.L_P0 @ jr.normal(k0, (n,), dtype)
+    q = jr.normal(kq, (num_steps, n), dtype)
+    r = jr.normal(kr, (num_steps, p), dtype)
+    xs = {"q": q, "r": r}
+    mats = {"F": model.F, "L_Q": model.L_Q, "H": model.H, "L_R": L_R}
+    for name, x in mats.items():
+        if _per_step(x, 2):
+            xs[name] = x
+    if us is not None:
+        xs["Bu"] = us @ kf.B.T
+        xs["Du"] = us @ kf.D.T
+
+    def step(x_prev, s):
+        get = lambda name: s[name] if name in s else mats[name]
+        x = get("F") @ x_prev + get("L_Q") @ s["q"]
+        if "Bu" in s:
+            x = x + s["Bu"]
+        y = get("H") @ x + get("L_R") @ s["r"]
+        if "Du" in s:
+            y = y + s["Du"]
+        return x, (x, y)
+
+    _, (states, observations) = lax.scan(step, x0, xs)
+    return states, observations

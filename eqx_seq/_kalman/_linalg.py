@@ -1,0 +1,230 @@
+"""Small-matrix linear algebra for the Kalman filter.
+
+Cholesky factors and triangular inverses of stacks of small matrices are written as
+`jax.numpy` arithmetic vectorised over the stack, not batched LAPACK calls: on CPU,
+two batched LAPACK calls that XLA schedules at once can deadlock on its thread pool,
+and at these sizes the fused arithmetic is faster anyway (see
+`docs/devdocs/kalman.md`, "Whitening").
+"""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import jax.scipy.linalg as jsl
+from jaxtyping import Array, Inexact
+
+from .._misc import full_precision
+
+
+_LOG_2PI = math.log(2 * math.pi)
+
+
+def _sym(P: Array) -> Array:
+    return 0.5 * (P + jnp.swapaxes(P, -1, -2))
+
+
+def _mT(A: Array) -> Array:
+    return jnp.swapaxes(A, -1, -2)
+
+
+def _eye_like(A: Array) -> Array:
+    return jnp.broadcast_to(jnp.eye(A.shape[-1], dtype=A.dtype), A.shape)
+
+
+def _chol(A: Array) -> Array:
+    """Cholesky factor of a symmetric PSD matrix, with jitter scaled to its dtype.
+
+    The jitter is `eps(dtype) * mean(diag(A))` on the diagonal: invisible in float64,
+    enough in float32 to keep a matrix that is PD up to rounding factorable.
+    """
+    A = _sym(A)
+    scale = jnp.mean(jnp.diagonal(A, axis1=-2, axis2=-1), axis=-1)
+    jitter = jnp.finfo(A.dtype).eps * jnp.abs(scale)
+    return jnp.linalg.cholesky(A + jitter[..., None, None] * _eye_like(A))
+
+
+def _cho_solve(L: Array, B: Array) -> Array:
+    """`(L L^T)^{-1} B` from a lower Cholesky factor `L`."""
+    Z = jsl.solve_triangular(L, B, lower=True)
+    return jsl.solve_triangular(L, Z, lower=True, trans=1)
+
+
+def _factor(raw: Array) -> Array:
+    """Unconstrained `raw` -> lower-triangular factor with diagonal `exp(diag(raw))`.
+
+    The upper triangle of `raw` is ignored (and receives zero gradient).
+    """
+    eye = jnp.broadcast_to(jnp.eye(raw.shape[-1], dtype=bool), raw.shape)
+    # double where: exp of an off-diagonal entry may overflow, its gradient must not
+    return jnp.where(eye, jnp.exp(jnp.where(eye, raw, 0)), jnp.tril(raw))
+
+
+def _unfactor(L: Array) -> Array:
+    """The inverse of `_factor` on lower-triangular `L` with a positive diagonal."""
+    eye = jnp.broadcast_to(jnp.eye(L.shape[-1], dtype=bool), L.shape)
+    return jnp.where(eye, jnp.log(jnp.where(eye, L, 1)), jnp.tril(L))
+
+
+@full_precision
+def _gram(L: Array) -> Array:
+    return L @ _mT(L)
+
+
+# --- products of small matrices ---
+
+# Up to this size the sequential step multiplies matrices as broadcast products and
+# sums, which XLA fuses into a few loop kernels; `@` becomes a library call per
+# product whose overhead dominates at these sizes.
+_ELEMENTWISE_MAX = 16
+
+
+def _mm(A: Array, B: Array) -> Array:
+    if max(A.shape[-1], A.shape[-2], B.shape[-1]) > _ELEMENTWISE_MAX:
+        return A @ B
+    return jnp.sum(A[:, :, None] * B[None, :, :], axis=1)
+
+
+# Up to this state size `A X A^T` in the sequential loops is one broadcast product
+# summed over two axes (n^4 terms in one fused kernel); beyond it the n^4 terms cost
+# more than two matrix products.
+_SANDWICH_4D_MAX = 4
+
+
+def _sandwich(A: Array, X: Array) -> Array:
+    """`A X A^T` for small matrices."""
+    if A.shape[-1] <= _SANDWICH_4D_MAX and A.shape[-2] <= _SANDWICH_4D_MAX:
+        out = jnp.sum(
+            A[:, :, None, None] * X[None, :, :, None] * A.T[None, None], axis=(1, 2)
+        )
+        return out
+    return _mm(_mm(A, X), A.T)
+
+
+def _bmm(A: Array, B: Array) -> Array:
+    """`A @ B` over leading batch axes; small matrices as a broadcast product and
+    sum (XLA:CPU's batched dot is slow for them)."""
+    if max(A.shape[-1], A.shape[-2], B.shape[-1]) > _ELEMENTWISE_MAX:
+        return A @ B
+    return jnp.sum(A[..., :, :, None] * B[..., None, :, :], axis=-2)
+
+
+def _mv(A: Array, x: Array) -> Array:
+    if max(A.shape) > _ELEMENTWISE_MAX:
+        return A @ x
+    return jnp.sum(A * x[None, :], axis=1)
+
+
+# --- Cholesky factors and triangular inverses without LAPACK ---
+
+# Up to this size every entry is its own vector over the batch, so both functions
+# are elementwise arithmetic that XLA fuses into a few loops; beyond it, whole
+# columns (rows) per step keep the program small.
+_ENTRYWISE_MAX = 16
+
+
+def _entries(A: Array) -> list[list[Array]]:
+    n = A.shape[-1]
+    return [[A[..., i, j] for j in range(n)] for i in range(n)]
+
+
+def _assemble(rows: list[list[Array]], like: Array) -> Array:
+    zero = jnp.zeros(like.shape[:-2], like.dtype)
+    n = like.shape[-1]
+    full = [[rows[i][j] if j <= i else zero for j in range(n)] for i in range(n)]
+    return jnp.stack([jnp.stack(r, axis=-1) for r in full], axis=-2)
+
+
+def cholesky(A: Inexact[Array, "*batch n n"]) -> Inexact[Array, "*batch n n"]:
+    """Lower Cholesky factors `L` (`A = L L^T`) of a stack of symmetric positive
+    definite matrices. Only the lower triangle of `A` is read; a matrix that is not
+    positive definite gives NaNs (as `jnp.linalg.cholesky`)."""
+    n = A.shape[-1]
+    if n > _ENTRYWISE_MAX:
+        return _cholesky_by_columns(A)
+    a = _entries(A)
+    L = [[None] * n for _ in range(n)]
+    zero = jnp.zeros((), A.dtype)
+    for j in range(n):
+        L[j][j] = jnp.sqrt(a[j][j] - sum((L[j][k] ** 2 for k in range(j)), zero))
+        for i in range(j + 1, n):
+            v = a[i][j] - sum((L[i][k] * L[j][k] for k in range(j)), zero)
+            L[i][j] = v / L[j][j]
+    return _assemble(L, A)
+
+
+def tril_inverse(L: Inexact[Array, "*batch n n"]) -> Inexact[Array, "*batch n n"]:
+    """`L^{-1}` for a stack of lower-triangular matrices with non-zero diagonals,
+    by forward substitution."""
+    n = L.shape[-1]
+    if n > _ENTRYWISE_MAX:
+        return tril_inverse_by_rows(L)
+    l = _entries(L)
+    W = [[None] * n for _ in range(n)]
+    for i in range(n):
+        W[i][i] = 1 / l[i][i]
+        for j in range(i):
+            v = sum((l[i][k] * W[k][j] for k in range(j, i)), jnp.zeros((), L.dtype))
+            W[i][j] = -v * W[i][i]
+    return _assemble(W, L)
+
+
+def _cholesky_by_columns(A: Array) -> Array:
+    n = A.shape[-1]
+    below = jnp.broadcast_to(jnp.arange(n), A.shape[:-1])
+    cols = []
+    for j in range(n):
+        v = A[..., :, j]
+        if j:
+            done = jnp.stack(cols, axis=-1)  # (..., n, j)
+            v = v - jnp.sum(done * done[..., j : j + 1, :], axis=-1)
+        d = jnp.sqrt(v[..., j : j + 1])
+        cols.append(jnp.where(below >= j, v / d, 0))
+    return jnp.stack(cols, axis=-1)
+
+
+def tril_inverse_by_rows(L: Array) -> Array:
+    """`tril_inverse` by forward substitution one row at a time: fewer, wider
+    operations (for large matrices, or one small matrix with no batch)."""
+    n = L.shape[-1]
+    eye = jnp.eye(n, dtype=L.dtype)
+    rows = []
+    for i in range(n):
+        r = jnp.broadcast_to(eye[i], L.shape[:-1])
+        if i:
+            done = jnp.stack(rows, axis=-2)  # (..., i, n)
+            r = r - jnp.sum(L[..., i, :i, None] * done, axis=-2)
+        rows.append(r / L[..., i, i, None])
+    return jnp.stack(rows, axis=-2)
+
+
+@jax.custom_jvp
+def inverse_cholesky(A: Inexact[Array, "*batch n n"]) -> Inexact[Array, "*batch n n"]:
+    """`L^{-1}` for the lower Cholesky factors `L` of a stack of symmetric positive
+    definite matrices (`A^{-1} = W^T W` with `W = L^{-1}`).
+
+    Differentiated by its own rule, `dW = -Phi(W dA W^T) W` with `Phi` the lower
+    triangle and half the diagonal (from `dL = L Phi(L^{-1} dA L^{-T})`): a few
+    batched products instead of autodiff through the unrolled factorisation, which
+    is slower than LAPACK's gradient, or LAPACK itself.
+    """
+    return tril_inverse(cholesky(A))
+
+
+@inverse_cholesky.defjvp
+@full_precision
+def _inverse_cholesky_jvp(primals, tangents):
+    (A,), (dA,) = primals, tangents
+    W = inverse_cholesky(A)
+    X = W @ _sym_part(dA) @ jnp.swapaxes(W, -1, -2)
+    n = A.shape[-1]
+    phi = jnp.tril(jnp.ones((n, n), A.dtype)) - 0.5 * jnp.eye(n, dtype=A.dtype)
+    return W, -(X * jnp.broadcast_to(phi, X.shape)) @ W
+
+
+def _sym_part(A: Array) -> Array:
+    # the factorisation reads the lower triangle only: a tangent in the upper one
+    # does not move it, so the effective tangent is the symmetric matrix with that
+    # lower triangle
+    lower = jnp.tril(A)
+    return lower + jnp.swapaxes(jnp.tril(A, -1), -1, -2)

@@ -1,0 +1,46 @@
+"""What the filter and the smoother return."""
+
+import equinox as eqx
+import jax.numpy as jnp
+from jaxtyping import Array, Float
+
+
+class KalmanFilterResult(eqx.Module):
+    """What [`eqx_seq.KalmanFilter.filter`][] returns.
+
+    Row `t - 1` of each array is about step `t`: `means[t-1]` and `covs[t-1]` are
+    the filtered `E[x_t | y_1..y_t]` and `Cov[x_t | y_1..y_t]`; `predicted_means` and
+    `predicted_covs` the one-step predictions given `y_1..y_{t-1}`;
+    `log_likelihoods[t-1]` is `log p(y_t | y_1..y_{t-1})` over the observed (non-NaN)
+    entries of `y_t` (zero for a step with none); `log_likelihood` is their sum,
+    `log p(y_1..y_T)`.
+    """
+
+    means: Float[Array, "T n"]
+    covs: Float[Array, "T n n"]
+    predicted_means: Float[Array, "T n"]
+    predicted_covs: Float[Array, "T n n"]
+    log_likelihoods: Float[Array, " T"]
+    log_likelihood: Float[Array, ""]
+
+
+class KalmanSmootherResult(eqx.Module):
+    """What [`eqx_seq.KalmanFilter.smooth`][] returns.
+
+    `means[t-1]` and `covs[t-1]` are the smoothed `E[x_t | y_1..y_T]` and
+    `Cov[x_t | y_1..y_T]`; `cross_covs[t-1]` is `Cov[x_t, x_{t+1} | y_1..y_T]` for
+    `t < T` (what EM needs); `filtered` is the filter's result, log-likelihood
+    included.
+    """
+
+    means: Float[Array, "T n"]
+    covs: Float[Array, "T n n"]
+    cross_covs: Float[Array, "T-1 n n"]
+    filtered: KalmanFilterResult
+
+
+def _filter_result(ms, Ps, mps, Pps, lls, logdet) -> KalmanFilterResult:
+    """The result from the filter's outputs on whitened observations: the whitening's
+    log-determinant `logdet` (per step) completes the log-likelihoods."""
+    lls = lls - logdet
+    return KalmanFilterResult(ms, Ps, mps, Pps, lls, jnp.sum(lls))

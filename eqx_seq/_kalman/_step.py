@@ -1,0 +1,138 @@
+"""One filter step: predict, then condition on the whitened observations one scalar
+at a time (Koopman & Durbin, J. Time Series Analysis 2000), so that the update needs
+no matrix solve; and the sequential filter's loop body built from them."""
+
+import functools as ft
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array
+
+from .._misc import full_precision
+from ._linalg import _LOG_2PI, _mm, _mv, _sandwich, _sym, tril_inverse_by_rows
+from ._problem import _per_step, _Problem
+
+
+def _predict(m: Array, P: Array, F: Array, L_Q: Array, c: Array | None):
+    m = _mv(F, m)
+    if c is not None:
+        m = m + c
+    P = _sym(_sandwich(F, P) + _mm(L_Q, L_Q.T))
+    return m, P
+
+
+def _update(m: Array, P: Array, y: Array, Hw: Array, obs: Array):
+    """Condition `N(m, P)` on `y = Hw x + e`, `e ~ N(0, I)`, one entry at a time.
+
+    Returns the filtered mean and covariance, the log-density of the observed
+    entries of `y` (without the whitening log-determinant), and what the
+    smoother needs of each scalar update: the gains `k_j`, innovations `e_j` and
+    innovation variances `s_j`.
+    """
+    ll = jnp.zeros((), m.dtype)
+    ks, es, ss = [], [], []
+    for j in range(y.shape[0]):
+        h = Hw[j]
+        Ph = _mv(P, h)
+        s = jnp.sum(h * Ph) + 1  # >= 1: the whitened noise has unit variance
+        e = y[j] - jnp.sum(h * m)
+        k = Ph / s
+        m = m + k * e
+        P = P - k[:, None] * Ph[None, :]
+        ll = ll + jnp.where(obs[j], -0.5 * (_LOG_2PI + jnp.log(s) + e * e / s), 0)
+        ks.append(k)
+        es.append(e)
+        ss.append(s)
+    return m, _sym(P), ll, (jnp.stack(ks), jnp.stack(es), jnp.stack(ss))
+
+
+@jax.custom_jvp
+def _complete_update(m: Array, P: Array, y: Array, Hw: Array):
+    """`_update` with every entry observed: the filtered mean and covariance and the
+    log-density, with a derivative rule in matrix form.
+
+    Reverse-mode autodiff through the unrolled scalar updates is a chain of small
+    operations per observed entry; the rule is a dozen products. It
+    differentiates the joint update `m' = m + C v`, `P' = P - C S^{-1} C^T`,
+    `ll = -(p log 2pi + log|S| + e^T v) / 2`, with `C = P Hw^T`, `S = Hw C + I`,
+    `e = y - Hw m`, `v = S^{-1} e`, which the scalar updates compute exactly: they
+    factor `S = L diag(s) L^T` (`L` unit lower triangular, `L[j, i] = h_j . k_i`)
+    and return `L^{-1} e`.
+    """
+    m, P, ll, _ = _update(m, P, y, Hw, jnp.ones(y.shape, bool))
+    return m, P, ll
+
+
+@_complete_update.defjvp
+@full_precision
+def _complete_update_jvp(primals, tangents):
+    # `@` here, not the loop body's broadcast products: faster in reverse mode
+    m, P, y, Hw = primals
+    dm, dP, dy, dHw = tangents
+    m_f, P_f, ll, (ks, es, ss) = _update(m, P, y, Hw, jnp.ones(y.shape, bool))
+    p = y.shape[0]
+    L = jnp.tril(Hw @ ks.T, -1) + jnp.eye(p, dtype=P.dtype)
+    L_inv = tril_inverse_by_rows(L)
+    S_inv = L_inv.T @ (L_inv / ss[:, None])
+    C = P @ Hw.T
+    K = C @ S_inv  # the joint gain
+    v = L_inv.T @ (es / ss)
+    dC = dP @ Hw.T + P @ dHw.T
+    dS = Hw @ dC + dHw @ C
+    de = dy - dHw @ m - Hw @ dm
+    dv = S_inv @ (de - dS @ v)
+    dm_f = dm + dC @ v + C @ dv
+    dCK = dC @ K.T
+    dP_f = dP - dCK - dCK.T + K @ dS @ K.T
+    dll = -0.5 * jnp.sum(S_inv * dS) - jnp.sum(v * de) + 0.5 * jnp.sum(v * (dS @ v))
+    return (m_f, P_f, ll), (dm_f, dP_f, dll)
+
+
+def _sequential_step(problem: _Problem, complete: bool = False):
+    """The filter's loop body and its inputs: `(steps, xs, Hw_const)`, with
+    `steps[record]` for long scans and `steps["head"]` for the steady state's exact
+    head; with `complete` (every entry observed), the steps without `record` update
+    by `_complete_update`."""
+    model, W = problem.model, problem.W
+    F_v, Q_v, H_v, W_v = (
+        _per_step(model.F, 2),
+        _per_step(model.L_Q, 2),
+        _per_step(model.H, 2),
+        _per_step(W, 2),
+    )
+    Hw_const = None if (H_v or W_v) else W @ model.H
+    xs = {"y": problem.yw, "obs": problem.obs}
+    if F_v:
+        xs["F"] = model.F
+    if Q_v:
+        xs["L_Q"] = model.L_Q
+    if H_v:
+        xs["H"] = model.H
+    if W_v:
+        xs["W"] = W
+    if problem.c is not None:
+        xs["c"] = problem.c
+
+    def step(carry, x, record=False):
+        m, P = carry
+        F = x["F"] if F_v else model.F
+        L_Q = x["L_Q"] if Q_v else model.L_Q
+        m_pred, P_pred = _predict(m, P, F, L_Q, x.get("c"))
+        if Hw_const is None:
+            Hw = _mm(x["W"] if W_v else W, x["H"] if H_v else model.H)
+        else:
+            Hw = Hw_const
+        if complete and not record:
+            m, P, ll = _complete_update(m_pred, P_pred, x["y"], Hw)
+            rec = None
+        else:
+            m, P, ll, rec = _update(m_pred, P_pred, x["y"], Hw, x["obs"])
+        out = (m, P, m_pred, P_pred, ll)
+        return (m, P), (out, rec) if record else out
+
+    # over all steps, rematerialised in the backward pass: storing every
+    # intermediate of the unrolled scalar updates made reverse mode slower; the
+    # steady state's few exact steps (`_steady._head`) store theirs, which is faster
+    steps = {r: jax.checkpoint(ft.partial(step, record=r)) for r in (False, True)}
+    steps["head"] = step
+    return steps, xs, Hw_const
