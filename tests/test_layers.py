@@ -55,8 +55,7 @@ def test_default_dtype_is_jax_default(name, getkey):
         assert parameter_dtypes(build(getkey())) == {jnp.dtype(jnp.float32)}
 
 
-# KalmanFilter's scope comes with the rework of its module
-@pytest.mark.parametrize("name", [n for n in LAYERS if n != "KalmanFilter"])
+@pytest.mark.parametrize("name", LAYERS)
 def test_named_scope(name, getkey):
     build, x = LAYERS[name]
     layer = build(getkey())
