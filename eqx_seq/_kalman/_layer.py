@@ -314,8 +314,8 @@ class KalmanFilter(eqx.Module):
 
         Its derivatives come from Fisher's identity with the smoother's statistics
         (`docs/devdocs/kalman.md`, "Fisher's identity"): a gradient costs about one
-        filter and one smoother. `filter(ys).log_likelihood` is the same number with plain
-        autodiff through the filter.
+        filter and one smoother. `filter(ys).log_likelihood` is the same number with
+        plain autodiff through the filter.
         """
         ys, us = self._inputs(ys, us, "log_likelihood")
         return _log_likelihood_jit(self, ys, us)
