@@ -108,16 +108,18 @@ class KalmanFilter(eqx.Module):
                 f"`control_size` must be a non-negative int, got {control_size!r}."
             )
         backend(scan)
-        dtype = default_floating_dtype() if dtype is None else jnp.dtype(dtype)
+        dtype = jnp.dtype(default_floating_dtype() if dtype is None else dtype)
         if not jnp.issubdtype(dtype, jnp.floating):
             raise ValueError(f"`dtype` must be a floating dtype, got {dtype}.")
         n, p, c = state_size, obs_size, control_size
         # `from_matrices` passes the parameters it made (and no key)
         if _parameters is None:
             _parameters = random_parameters(n, p, c, dtype, key)
-        self.F, self.H, self.B, self.D, self.m0 = _parameters[:5]
-        self.Q_factor, self.R_factor, self.P0_factor = _parameters[5:8]
-        self.num_steps = _parameters.num_steps
+        a = _parameters
+        self.F, self.H, self.B, self.D, self.m0 = a.F, a.H, a.B, a.D, a.m0
+        self.Q_factor, self.R_factor = a.Q_factor, a.R_factor
+        self.P0_factor = a.P0_factor
+        self.num_steps = a.num_steps
         self.scan = scan
         self.state_size, self.obs_size, self.control_size = n, p, c
         self._steady_state = _steady_state
