@@ -2,11 +2,10 @@
 
 `jax.lax.associative_scan` unrolls its `O(log T)` levels in Python, and each level
 traces the operator again on arrays of a different length: for a heavy operator
-(the Kalman filter's, with Cholesky solves) the program grows with `log T` and took
-tens of seconds to compile at `T = 10^4` on CPU. Here the sequence is cut into
-`B = T / K` blocks of `K` steps (padded with copies of the last element) and the
-scan runs in three phases, every stage of which applies the operator to one batch
-of `B` elements:
+(the Kalman filter's, with Cholesky solves) the program grows with `log T`, and so
+does its compile time. Here the sequence is cut into `B = T / K` blocks of `K` steps
+(padded with copies of the last element) and the scan runs in three phases, every
+stage of which applies the operator to one batch of `B` elements:
 
 1. every block is scanned sequentially, all blocks at once (`K - 1` stages: step `k`
    of every block absorbs step `k - 1`);

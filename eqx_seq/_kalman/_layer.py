@@ -28,19 +28,16 @@ class KalmanFilter(eqx.Module):
     $$x_t = F_t x_{t-1} + B u_t + q_t, \quad q_t \sim N(0, Q_t)$$
     $$y_t = H_t x_t + D u_t + r_t, \quad r_t \sim N(0, R_t)$$
 
-    `F`, `H`, `Q` and `R` may each carry a leading time axis of length `T`; `u_t`
-    are optional controls. As a layer, `kf(ys)` returns the filtered means. The
-    covariances are learnt as unconstrained Cholesky factors (`Q_factor`,
-    `R_factor`, `P0_factor`), so that every parameter value is a valid model. NaN
-    entries of `ys` are missing observations, skipped exactly.
+    `F`, `H`, `Q` and `R` may carry a leading time axis of length `T`; `u_t` are
+    optional controls; NaN entries of `ys` are missing, skipped exactly. `kf(ys)`
+    returns the filtered means. Covariances are learnt as unconstrained Cholesky
+    factors (`Q_factor`, `R_factor`, `P0_factor`): every parameter value is valid.
 
-    `scan` selects the algorithm: with a sequential backend
-    ([`eqx_seq.SequentialScan`][]) the standard filter and an information-form RTS
-    smoother in a loop, with a steady-state shortcut for time-invariant models with
-    complete data; with a parallel one ([`eqx_seq.AssociativeScan`][]) those of
-    Särkkä & García-Fernández (IEEE TAC 2021), in the backend's `associative_scan`.
-    [`eqx_seq.KalmanFilter.log_likelihood`][] is differentiated by Fisher's
-    identity. The guide: `docs/usage/kalman.md`.
+    `scan` selects the algorithm: a sequential backend ([`eqx_seq.SequentialScan`][])
+    runs the standard filter (with a steady-state shortcut) and an information-form
+    smoother in a loop; a parallel one ([`eqx_seq.AssociativeScan`][]) those of
+    Särkkä & García-Fernández (IEEE TAC 2021) in its `associative_scan`. The
+    log-likelihood is differentiated by Fisher's identity. See `docs/usage/kalman.md`.
 
     !!! Example
 
@@ -116,9 +113,11 @@ class KalmanFilter(eqx.Module):
         # `from_matrices` passes the parameters it made (and no key)
         if _parameters is None:
             _parameters = random_parameters(n, p, c, dtype, key)
-        self.F, self.H, self.B, self.D, self.m0 = _parameters[:5]
-        self.Q_factor, self.R_factor, self.P0_factor = _parameters[5:8]
-        self.num_steps = _parameters.num_steps
+        a = _parameters
+        self.F, self.H, self.B, self.D, self.m0 = a.F, a.H, a.B, a.D, a.m0
+        self.Q_factor, self.R_factor = a.Q_factor, a.R_factor
+        self.P0_factor = a.P0_factor
+        self.num_steps = a.num_steps
         self.scan = scan
         self.state_size, self.obs_size, self.control_size = n, p, c
         self._steady_state = _steady_state
@@ -314,9 +313,9 @@ class KalmanFilter(eqx.Module):
         A scalar. Per-step terms are `filter(ys).log_likelihoods`.
 
         Its derivatives come from Fisher's identity with the smoother's statistics
-        (see the class docstring): a gradient costs about one filter and one
-        smoother. `filter(ys).log_likelihood` is the same number with plain
-        autodiff through the filter.
+        (`docs/devdocs/kalman.md`, "Fisher's identity"): a gradient costs about one
+        filter and one smoother. `filter(ys).log_likelihood` is the same number with
+        plain autodiff through the filter.
         """
         ys, us = self._inputs(ys, us, "log_likelihood")
         return _log_likelihood_jit(self, ys, us)
