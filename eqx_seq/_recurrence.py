@@ -26,7 +26,7 @@ from jax.custom_derivatives import SymbolicZero
 from jaxtyping import Array, ArrayLike, Inexact
 
 from ._misc import vary_like
-from ._scan import AbstractScan, AutoScan, fold_initial_state
+from ._scan import AbstractScan, AutoScan, check_scan, fold_initial_state
 
 
 def _shift(x: Array, fill: Array, *, reverse: bool) -> Array:
@@ -145,11 +145,7 @@ def _prepare(
 
     `a` comes back as `(T, *S)` (time-varying) or `S` (time-invariant).
     """
-    if not isinstance(scan, AbstractScan):
-        raise ValueError(
-            f"`{caller}(..., scan=...)` must be an `eqx_seq.AbstractScan` such as "
-            f"`eqx_seq.SequentialScan()` or `eqx_seq.AssociativeScan()`, got {scan!r}."
-        )
+    check_scan(scan, name=f"eqx_seq.{caller}")
     try:
         a, b = jnp.asarray(a), jnp.asarray(b)
         h0 = None if h0 is None else jnp.asarray(h0)

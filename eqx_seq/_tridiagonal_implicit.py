@@ -7,7 +7,7 @@ import jax.random as jr
 from jaxtyping import Array, ArrayLike, Float, PRNGKeyArray
 
 from ._misc import check_positive_int, check_real, default_floating_dtype
-from ._scan import AbstractScan, AutoScan
+from ._scan import AbstractScan, AutoScan, check_scan
 from ._tridiagonal import tridiagonal_solve
 
 
@@ -89,8 +89,8 @@ class TridiagonalImplicit(eqx.Module):
                 f"`coupling_range` must be (low, high) with 0 < low <= high, got "
                 f"{coupling_range!r}."
             )
-        if not isinstance(scan, AbstractScan):
-            raise ValueError(f"`scan` must be an `eqx_seq.AbstractScan`, got {scan!r}.")
+        # the solve runs Thomas or PCR as the backend declares: checked here already
+        check_scan(scan, name="eqx_seq.TridiagonalImplicit", chooses=True)
         dtype = default_floating_dtype() if dtype is None else jnp.dtype(dtype)
         log_kappa = jr.uniform(
             key, (channels,), dtype, jnp.log(low).item(), jnp.log(high).item()

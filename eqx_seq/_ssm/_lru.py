@@ -10,7 +10,7 @@ import jax.random as jr
 from jaxtyping import Array, Complex, Float, PRNGKeyArray
 
 from .._misc import check_parameter_dtype, check_positive_int, check_real
-from .._scan import AbstractScan, AutoScan
+from .._scan import AbstractScan, AutoScan, check_scan
 from ._base import AbstractDiagonalSSM
 
 
@@ -89,8 +89,7 @@ class LRU(AbstractDiagonalSSM):
                 f"Need 0 <= r_min < r_max <= 1, got r_min={r_min}, r_max={r_max}."
             )
         max_phase = check_real("max_phase", max_phase, positive=True)
-        if not isinstance(scan, AbstractScan):
-            raise ValueError(f"`scan` must be an `eqx_seq.AbstractScan`, got {scan!r}.")
+        check_scan(scan, name="eqx_seq.LRU")
         dtype = check_parameter_dtype("LRU", dtype)
         rkey, pkey, bkey, ckey, cbkey, dkey = jr.split(key, 6)
         # |λ|² uniform in [r_min², r_max²): λ uniform in area on the ring. Kept below

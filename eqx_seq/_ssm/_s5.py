@@ -16,7 +16,7 @@ from .._misc import (
     check_real,
     default_floating_dtype,
 )
-from .._scan import AbstractScan, AutoScan
+from .._scan import AbstractScan, AutoScan, check_scan
 from ._base import AbstractDiagonalSSM, complex_dtype
 
 
@@ -167,8 +167,7 @@ class S5(AbstractDiagonalSSM):
                 f"Need 0 < dt_min <= dt_max, got dt_min={dt_min}, dt_max={dt_max}."
             )
         step_rescale = check_real("step_rescale", step_rescale, positive=True)
-        if not isinstance(scan, AbstractScan):
-            raise ValueError(f"`scan` must be an `eqx_seq.AbstractScan`, got {scan!r}.")
+        check_scan(scan, name="eqx_seq.S5")
         dtype = check_parameter_dtype("S5", dtype)
         block = state_size // blocks
         if block > _MAX_HIPPO_BLOCK:
