@@ -59,3 +59,17 @@ def test_bench_tridiagonal_quick(tmp_path):
     assert "jax.lax.linalg.tridiagonal_solve (gtsv)" in out
     assert "grad: eqx_seq Thomas, axis=0" in out
     assert (tmp_path / "t.json").exists()
+
+
+@pytest.mark.slow
+def test_bench_kalman_quick(tmp_path):
+    out = run_script(
+        "benchmarks/bench_kalman.py",
+        "--quick",
+        "--repeats",
+        "1",
+        "--json",
+        str(tmp_path / "k.json"),
+        timeout=900,
+    )
+    assert "seq filter" in out and (tmp_path / "k.json").exists()

@@ -248,23 +248,6 @@ def test_bad_input(getkey):
         )
 
 
-@pytest.mark.slow
-def test_bench_kalman_quick(tmp_path):
-    import os
-    import subprocess
-    import sys
-
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    out = subprocess.run(
-        [sys.executable, "benchmarks/bench_kalman.py", "--quick", "--repeats", "1",
-         "--json", str(tmp_path / "k.json")],
-        cwd=root, capture_output=True, text=True, timeout=900,
-        env={**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": root},
-    )  # fmt: skip
-    assert out.returncode == 0, out.stdout + out.stderr
-    assert "seq filter" in out.stdout and (tmp_path / "k.json").exists()
-
-
 # --- matrix products at full precision (GPUs default to TF32 for float32) ---
 def _dot_precisions(jaxpr, found):
     """The `precision` of every `dot_general` in `jaxpr` and the jaxprs inside it."""
