@@ -181,18 +181,17 @@ def test_generate_eager_compiles_once(getkey):
     prompt = jnp.array([1, 2, 3])
     lm.generate(prompt, 3, key=jr.key(0))  # warm-up
     compiles = []
-    jax.monitoring.register_event_duration_secs_listener(
-        lambda event, *a, **k: (
+
+    def listen(event, *args, **kwargs):
+        if event == "/jax/core/compile/backend_compile_duration":
             compiles.append(event)
-            if event == "/jax/core/compile/backend_compile_duration"
-            else None
-        )
-    )
+
+    jax.monitoring.register_event_duration_secs_listener(listen)
     try:
         for seed in range(3):
             lm.generate(prompt, 3, key=jr.key(seed), temperature=0.5 + seed)
     finally:
-        jax.monitoring.clear_event_listeners()
+        jax.monitoring.unregister_event_duration_listener(listen)
     assert compiles == []
 
 
