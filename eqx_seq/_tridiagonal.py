@@ -140,7 +140,9 @@ def tridiagonal_solve(
     set of diagonals can serve many right-hand sides (give it size 1 on those axes)
     without being copied.
 
-    **Methods.** The backend picks the algorithm:
+    **Methods.** The backend picks the algorithm by what it declares: a sequential
+    one (`parallel = False`, after `select()`) runs Thomas with its `unroll`, a
+    parallel one PCR; a backend that declares neither is refused.
 
     - [`eqx_seq.SequentialScan`][] (the `AutoScan` choice on CPU): the Thomas
         algorithm (Gaussian elimination without pivoting; Thomas 1949), `O(n)` per

@@ -76,7 +76,8 @@ class TridiagonalImplicit(eqx.Module):
         - `coupling_range`: `(low, high)`, `0 < low <= high`: $\theta$ is
             initialised so that the couplings $\kappa$ are log-uniform in this range
             across channels (a range of smoothing lengths).
-        - `scan`: the backend of [`eqx_seq.tridiagonal_solve`][].
+        - `scan`: the backend of [`eqx_seq.tridiagonal_solve`][]: Thomas for a
+            sequential one, PCR for a parallel one.
         - `dtype`: the parameters' dtype; JAX's default floating dtype by default.
         - `key`: a `jax.random.key` for the initial couplings.
         """

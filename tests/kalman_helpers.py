@@ -2,7 +2,6 @@
 smoother, random models, and how the tests build filters from them."""
 
 import equinox as eqx
-import jax
 import numpy as np
 
 import eqx_seq
@@ -155,12 +154,6 @@ def case(name, seed=0):
         ys[[8, 30], 0] = np.nan
         ys[-1] = np.nan  # the last step too
     return model, ys, us
-
-
-def directional_fd(fn, tree, direction, eps=1e-6):
-    plus = jax.tree.map(lambda x, d: x + eps * d, tree, direction)
-    minus = jax.tree.map(lambda x, d: x - eps * d, tree, direction)
-    return (fn(plus) - fn(minus)) / (2 * eps)
 
 
 def settled(kf, ys, us=None):

@@ -9,13 +9,8 @@ import jax.numpy as jnp
 import jax.random as jr
 import numpy as np
 import pytest
-from kalman_helpers import (
-    BACKENDS,
-    build,
-    case,
-    directional_fd,
-    random_model,
-)
+from helpers import directional_fd
+from kalman_helpers import BACKENDS, build, case, random_model
 
 import eqx_seq
 

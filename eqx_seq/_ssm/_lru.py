@@ -76,7 +76,8 @@ class LRU(AbstractDiagonalSSM):
         - `max_phase`: the eigenvalue phases start uniform in `[0, max_phase]`.
         - `bidirectional`: add a second recurrence run backwards in time, with its own
             output matrix `C_backward` (non-causal; no step mode or `h0`).
-        - `scan`: the recurrence backend, an [`eqx_seq.AbstractScan`][].
+        - `scan`: the recurrence backend, an [`eqx_seq.AbstractScan`][]: its
+            `recurrence` runs the layer (any backend works).
         - `dtype`: the real parameter dtype, float32 or float64 (default: JAX's
             default float). Half-precision inputs are computed in this dtype.
         - `key`: a `jax.random` key for the initialisation. (Keyword only.)

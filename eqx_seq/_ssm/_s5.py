@@ -137,7 +137,8 @@ class S5(AbstractDiagonalSSM):
         - `dt_min`, `dt_max`: the learned steps start log-uniform in this range.
         - `step_rescale`: multiplies every step, e.g. `2.0` to run a layer trained at
             one sampling rate on data sampled at half the rate (zero-shot).
-        - `scan`: the recurrence backend, an [`eqx_seq.AbstractScan`][].
+        - `scan`: the recurrence backend, an [`eqx_seq.AbstractScan`][]: its
+            `recurrence` runs the layer (any backend works).
         - `dtype`: the real parameter dtype, float32 or float64 (default: JAX's
             default float). Half-precision inputs are computed in this dtype.
         - `key`: a `jax.random` key for the initialisation. (Keyword only.)
