@@ -6,10 +6,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import directional_fd
 from kalman_helpers import (
     assert_filtered,
     build,
-    directional_fd,
     filter_reference,
     random_model,
     settled,
