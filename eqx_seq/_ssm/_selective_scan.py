@@ -1,0 +1,197 @@
+"""`selective_scan`: Mamba's S6 recurrence as a function, with the reference's
+argument meanings, unbatched and time-first."""
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, ArrayLike, Float
+
+from .._misc import check_positive_int, zeros_like_inputs
+from .._scan import AbstractScan, AutoScan, check_scan
+from ._selective_core import fused_selective_scan
+
+
+def _check_shapes(arrays: dict, T: int, D: int, N: int) -> None:
+    expected = {
+        "u": (T, D),
+        "delta": (T, D),
+        "A": (D, N),
+        "B": (T, N),
+        "C": (T, N),
+        "D": (D,),
+        "z": (T, D),
+        "delta_bias": (D,),
+        "h0": (D, N),
+    }
+    for name, x in arrays.items():
+        if x.shape != expected[name]:
+            raise ValueError(
+                f"`selective_scan`: `{name}` must have shape {expected[name]} (with "
+                f"T = {T} steps, D = {D} channels and N = {N} states, read from "
+                f"`u` {(T, D)} and `A` {(D, N)}), got shape {x.shape}."
+            )
+
+
+@eqx.filter_jit
+def _run(scan, chunk, u, delta, A, B, C, D, z, delta_bias, delta_softplus, h0):
+    T = u.shape[0]
+    if delta_bias is not None:
+        delta = delta + delta_bias[None]
+    if delta_softplus:
+        delta = jax.nn.softplus(delta)
+    if h0 is None:
+        h0 = zeros_like_inputs(A.shape, A.dtype, u, delta, B, C)
+    # padded steps have `delta = 0`: a decay of one and no input, so the last state
+    # is that of the last real step
+    pad = -T % chunk
+
+    def padded(x):
+        return jnp.pad(x, [(0, pad)] + [(0, 0)] * (x.ndim - 1))
+
+    y, h_last = fused_selective_scan(
+        scan, chunk, padded(delta), A, padded(u), padded(B), padded(C), h0
+    )
+    y = y[:T]
+    if D is not None:
+        y = y + D[None] * u
+    if z is not None:
+        y = y * jax.nn.silu(z)
+    return y, h_last
+
+
+def selective_scan(
+    u: Float[ArrayLike, "T D"],
+    delta: Float[ArrayLike, "T D"],
+    A: Float[ArrayLike, "D N"],
+    B: Float[ArrayLike, "T N"],
+    C: Float[ArrayLike, "T N"],
+    D: Float[ArrayLike, " D"] | None = None,
+    *,
+    z: Float[ArrayLike, "T D"] | None = None,
+    delta_bias: Float[ArrayLike, " D"] | None = None,
+    delta_softplus: bool = False,
+    h0: Float[ArrayLike, "D N"] | None = None,
+    return_last_state: bool = False,
+    scan: AbstractScan = AutoScan(),
+    chunk_size: int = 64,
+) -> Float[Array, "T D"] | tuple[Float[Array, "T D"], Float[Array, "D N"]]:
+    r"""The selective scan of Mamba (S6): a diagonal recurrence whose decay and input
+    depend on the input, with the read-out fused in.
+
+    With $\Delta_t$ = `delta[t]` (after `delta_bias` and the softplus, if asked),
+    $h_t \in \mathbb{R}^{D \times N}$ from $h_{-1}$ = `h0`:
+
+    $h_t = \exp(\Delta_t A) \odot h_{t-1} + (\Delta_t \odot u_t)\, B_t^\top$,
+    $\quad y_t = h_t C_t + D \odot u_t$,
+
+    times $\mathrm{silu}(z_t)$ when `z` is given: the arguments and results of the
+    reference `selective_scan_fn` of `state-spaces/mamba`, for one sequence, time
+    first (`jax.vmap` for a batch).
+
+    The `(T, D, N)` states are never stored: only `y`, the final state and the
+    state at the start of every chunk of `chunk_size` steps. The gradient
+    recomputes a chunk's states and runs the adjoint recurrence through it
+    (hand-written, see `docs/devdocs/selective.md`), so its memory is
+    `O(T D + (T / chunk_size) D N + chunk_size D N)`. Differentiable in reverse
+    mode (`jax.grad`, `jax.vjp`) with respect to every array argument; forward
+    mode (`jax.jvp`) is not defined.
+
+    **Arguments:**
+
+    - `u`: the input, shape `(T, D)`.
+    - `delta`: the step sizes $\Delta$ before `delta_bias` and the softplus,
+        shape `(T, D)`.
+    - `A`: the continuous-time decay rates, shape `(D, N)` (negative for a decaying
+        state).
+    - `B`, `C`: the input-dependent input and output vectors, shape `(T, N)`.
+    - `D`: the skip connection, shape `(D,)`, or `None` for none.
+    - `z`: the gate, shape `(T, D)`, or `None` for none.
+    - `delta_bias`: added to `delta`, shape `(D,)`.
+    - `delta_softplus`: apply `jax.nn.softplus` to `delta + delta_bias`.
+    - `h0`: the state before the first step, shape `(D, N)`; zeros if `None`.
+    - `return_last_state`: also return the state after the last step.
+    - `scan`: the backend of the recurrence inside each chunk, an
+        [`eqx_seq.AbstractScan`][].
+    - `chunk_size`: the steps between stored states.
+
+    **Returns:**
+
+    `y`, shape `(T, D)`; `(y, h_last)` with `h_last` of shape `(D, N)` if
+    `return_last_state`. In the inputs' floating dtype (half precision is computed
+    in float32 and cast back).
+
+    !!! Example
+
+        ```python
+        import jax.numpy as jnp, jax.random as jr
+        import eqx_seq
+
+        T, D, N = 100, 8, 4
+        k1, k2, k3 = jr.split(jr.key(0), 3)
+        u = jr.normal(k1, (T, D))
+        delta = jnp.full((T, D), 0.1)
+        A = -jnp.broadcast_to(jnp.arange(1.0, N + 1), (D, N))  # S4D-real
+        B, C = jr.normal(k2, (T, N)), jr.normal(k3, (T, N))
+        y, h = eqx_seq.selective_scan(u, delta, A, B, C, return_last_state=True)
+        ```
+    """
+    check_positive_int("chunk_size", chunk_size)
+    chosen = check_scan(scan, name="eqx_seq.selective_scan")
+    given = {
+        "u": u,
+        "delta": delta,
+        "A": A,
+        "B": B,
+        "C": C,
+        "D": D,
+        "z": z,
+        "delta_bias": delta_bias,
+        "h0": h0,
+    }
+    arrays = {}
+    for name, x in given.items():
+        if x is None:
+            continue
+        try:
+            x = jnp.asarray(x)
+        except TypeError as e:
+            raise ValueError(f"`selective_scan`: `{name}` must be an array: {e}")
+        if not jnp.issubdtype(x.dtype, jnp.floating):
+            raise ValueError(
+                f"`selective_scan` needs real floating arrays, got {x.dtype} for "
+                f"`{name}`; cast it, e.g. `{name}.astype(jnp.float32)`."
+            )
+        arrays[name] = x
+    if arrays["u"].ndim != 2 or arrays["u"].shape[0] == 0:
+        raise ValueError(
+            "`selective_scan` takes one sequence: `u` of shape (T, D) with T >= 1, "
+            f"got shape {arrays['u'].shape}; use `jax.vmap` for a batch."
+        )
+    if arrays["A"].ndim != 2:
+        raise ValueError(
+            f"`selective_scan`: `A` must have shape (D, N), got {arrays['A'].shape}."
+        )
+    (T, D_), N = arrays["u"].shape, arrays["A"].shape[1]
+    _check_shapes(arrays, T, D_, N)
+    with jax.numpy_dtype_promotion("standard"):
+        dtype = jnp.result_type(*arrays.values())
+    compute = jnp.promote_types(dtype, jnp.float32)
+    arrays = {k: v.astype(compute) for k, v in arrays.items()}
+    y, h_last = _run(
+        chosen,
+        min(chunk_size, T),
+        arrays["u"],
+        arrays["delta"],
+        arrays["A"],
+        arrays["B"],
+        arrays["C"],
+        arrays.get("D"),
+        arrays.get("z"),
+        arrays.get("delta_bias"),
+        bool(delta_softplus),
+        arrays.get("h0"),
+    )
+    y = y.astype(dtype)
+    if return_last_state:
+        return y, h_last.astype(dtype)
+    return y
