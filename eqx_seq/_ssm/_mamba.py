@@ -1,0 +1,298 @@
+"""The Mamba layer: projections, a causal convolution and the selective scan."""
+
+import math
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import jax.random as jr
+from jaxtyping import Array, ArrayLike, Float, PRNGKeyArray, Real
+
+from .._misc import check_parameter_dtype, check_positive_int
+from .._scan import AbstractScan, AutoScan, check_scan
+from ._conv import CausalConv
+from ._selective_scan import selective_scan
+
+
+MambaState = tuple[Float[Array, "K-1 E"], Float[Array, "E N"]]
+
+
+def _linear(key, fan_in: int, fan_out: int, dtype) -> Array:
+    """A `(fan_out, fan_in)` weight, uniform in `±1/sqrt(fan_in)`."""
+    bound = fan_in**-0.5
+    return jr.uniform(key, (fan_out, fan_in), dtype, minval=-bound, maxval=bound)
+
+
+class Mamba(eqx.Module):
+    """The Mamba layer (S6 with its block): a selective state space model whose
+    decay, input and read-out depend on the input.
+
+    Gu & Dao, "Mamba: Linear-Time Sequence Modeling with Selective State Spaces",
+    2023. On `x` of shape `(T, H)`, with `E = expand * H` channels:
+
+    1. `x_t -> (v_t, z_t)` (in-projection to `2 E`);
+    2. `v -> silu(conv(v))` (a causal depthwise convolution of `conv_size` taps);
+    3. `Δ_t = softplus(W_Δ (W_r v_t) + b_Δ)` (a rank-`dt_rank` projection),
+        `B_t`, `C_t` (`state_size` each) projected from `v_t`;
+    4. [`eqx_seq.selective_scan`][] with `A = -exp(A_log)` (S4D-real start,
+        `A[e, n] = -(n + 1)`) and the skip `D`, gated by `silu(z_t)`;
+    5. out-projection back to `H`.
+
+    The state of step mode and streaming is `(conv_state, ssm_state)`: the last
+    `conv_size - 1` inputs of the convolution, `(conv_size - 1, E)`, and the
+    recurrence's state, `(E, state_size)`.
+
+    !!! Example
+
+        ```python
+        import jax.numpy as jnp, jax.random as jr
+        import eqx_seq
+
+        layer = eqx_seq.Mamba(16, key=jr.key(0))
+        y = layer(jnp.ones((100, 16)))                 # (100, 16)
+        ```
+    """
+
+    in_proj: Float[Array, "2E H"]
+    conv: CausalConv
+    x_proj: Float[Array, "R+2N E"]
+    dt_proj: Float[Array, "E R"]
+    dt_bias: Float[Array, " E"]
+    A_log: Float[Array, "E N"]
+    D: Float[Array, " E"]
+    out_proj: Float[Array, "H E"]
+    input_size: int = eqx.field(static=True)
+    state_size: int = eqx.field(static=True)
+    dt_rank: int = eqx.field(static=True)
+    chunk_size: int = eqx.field(static=True)
+    scan: AbstractScan
+
+    def __init__(
+        self,
+        input_size: int,
+        *,
+        state_size: int = 16,
+        expand: int = 2,
+        conv_size: int = 4,
+        dt_rank: int | None = None,
+        dt_min: float = 1e-3,
+        dt_max: float = 0.1,
+        chunk_size: int = 64,
+        scan: AbstractScan = AutoScan(),
+        dtype=None,
+        key: PRNGKeyArray,
+    ):
+        """**Arguments:**
+
+        - `input_size`: `H`, the number of input (and output) features.
+        - `state_size`: `N`, the states per channel.
+        - `expand`: `E = expand * H` channels inside the layer.
+        - `conv_size`: the taps of the causal convolution.
+        - `dt_rank`: the rank of the projection to `Δ`; `ceil(H / 16)` if `None`.
+        - `dt_min`, `dt_max`: `Δ` starts log-uniform in `[dt_min, dt_max]`
+            (through `b_Δ`; `0 < dt_min < dt_max`).
+        - `chunk_size`: [`eqx_seq.selective_scan`][]'s steps between stored
+            states.
+        - `scan`: the recurrence backend, an [`eqx_seq.AbstractScan`][].
+        - `dtype`: the parameter dtype, float32 or float64 (default: JAX's default
+            float). Half-precision inputs are computed in this dtype.
+        - `key`: a `jax.random` key for the initialisation. (Keyword only.)
+        """
+        for name, value in (
+            ("input_size", input_size),
+            ("state_size", state_size),
+            ("expand", expand),
+            ("conv_size", conv_size),
+            ("chunk_size", chunk_size),
+        ):
+            check_positive_int(name, value)
+        if dt_rank is None:
+            dt_rank = math.ceil(input_size / 16)
+        check_positive_int("dt_rank", dt_rank)
+        if not (isinstance(dt_min, float | int) and isinstance(dt_max, float | int)):
+            raise ValueError(
+                f"`dt_min` and `dt_max` must be numbers, got {dt_min!r}, {dt_max!r}."
+            )
+        if not 0 < dt_min < dt_max < math.inf:
+            raise ValueError(
+                f"Need 0 < dt_min < dt_max < inf, got dt_min={dt_min}, dt_max={dt_max}."
+            )
+        check_scan(scan, name="eqx_seq.Mamba")
+        dtype = check_parameter_dtype("Mamba", dtype)
+        E = expand * input_size
+        ikey, ckey, xkey, dkey, bkey, okey = jr.split(key, 6)
+        self.in_proj = _linear(ikey, input_size, 2 * E, dtype)
+        self.conv = CausalConv(E, conv_size, dtype=dtype, key=ckey)
+        self.x_proj = _linear(xkey, E, dt_rank + 2 * state_size, dtype)
+        self.dt_proj = _linear(dkey, dt_rank, E, dtype)
+        # Δ = softplus(b_Δ) at the start: b_Δ is its inverse softplus
+        log_dt = jr.uniform(
+            bkey, (E,), dtype, minval=math.log(dt_min), maxval=math.log(dt_max)
+        )
+        dt = jnp.exp(log_dt)
+        self.dt_bias = dt + jnp.log(-jnp.expm1(-dt))
+        self.A_log = jnp.log(
+            jnp.broadcast_to(jnp.arange(1, state_size + 1), (E, state_size)).astype(
+                dtype
+            )
+        )
+        self.D = jnp.ones(E, dtype)
+        self.out_proj = _linear(okey, E, input_size, dtype)
+        self.input_size = input_size
+        self.state_size = state_size
+        self.dt_rank = dt_rank
+        self.chunk_size = chunk_size
+        self.scan = scan
+
+    @property
+    def channels(self) -> int:
+        """`E`, the channels inside the layer."""
+        return self.D.shape[0]
+
+    # ---------------------------------------------------------------- validation
+
+    def _check(self, x: Array, h0) -> tuple[Array, MambaState | None]:
+        x = jnp.asarray(x)
+        if x.ndim != 2 or x.shape[0] == 0 or x.shape[1] != self.input_size:
+            raise ValueError(
+                "`Mamba` takes one unbatched sequence of shape (T, input_size) = "
+                f"(T, {self.input_size}) with T >= 1, got shape {x.shape}; use "
+                "`jax.vmap` for a batch."
+            )
+        if not jnp.issubdtype(x.dtype, jnp.floating):
+            raise ValueError(f"`Mamba` needs a real floating input, got {x.dtype}.")
+        dtype = self._dtype(x)
+        if h0 is not None:
+            h0 = self._check_state(h0)
+        return x.astype(dtype), h0
+
+    def _check_state(self, state) -> MambaState:
+        shapes = (
+            (self.conv.kernel_size - 1, self.channels),
+            (self.channels, self.state_size),
+        )
+        if not (isinstance(state, tuple) and len(state) == 2):
+            raise ValueError(
+                "The state of `Mamba` is a pair `(conv_state, ssm_state)` of shapes "
+                f"{shapes[0]} and {shapes[1]} (see `init_state`), got {state!r}."
+            )
+        state = tuple(jnp.asarray(s) for s in state)
+        if tuple(s.shape for s in state) != shapes:
+            raise ValueError(
+                "The state of `Mamba` is a pair `(conv_state, ssm_state)` of shapes "
+                f"{shapes[0]} and {shapes[1]}, got shapes "
+                f"{tuple(s.shape for s in state)}."
+            )
+        return state
+
+    def _dtype(self, x: Array) -> jnp.dtype:
+        with jax.numpy_dtype_promotion("standard"):
+            return jnp.result_type(self.D.dtype, x.dtype)
+
+    # -------------------------------------------------------------------- pieces
+
+    def _mix(self, v: Array) -> tuple[Array, Array, Array]:
+        """`(Δ before its bias and softplus, B, C)` from the convolved input."""
+        dbc = v @ self.x_proj.astype(v.dtype).T
+        R, N = self.dt_rank, self.state_size
+        delta = dbc[..., :R] @ self.dt_proj.astype(v.dtype).T
+        return delta, dbc[..., R : R + N], dbc[..., R + N :]
+
+    def _run(self, x: Array, h0: MambaState | None) -> tuple[Array, MambaState]:
+        dtype = x.dtype
+        vz = x @ self.in_proj.astype(dtype).T
+        v, z = vz[:, : self.channels], vz[:, self.channels :]
+        conv_state, ssm_state = (None, None) if h0 is None else h0
+        u = jax.nn.silu(self.conv(v, conv_state))
+        delta, B, C = self._mix(u)
+        y, h = selective_scan(
+            u,
+            delta,
+            -jnp.exp(self.A_log.astype(dtype)),
+            B,
+            C,
+            self.D.astype(dtype),
+            z=z,
+            delta_bias=self.dt_bias.astype(dtype),
+            delta_softplus=True,
+            h0=None if ssm_state is None else ssm_state.astype(dtype),
+            return_last_state=True,
+            scan=self.scan,
+            chunk_size=self.chunk_size,
+        )
+        state = (self.conv.final_state(v, conv_state), h)
+        return y @ self.out_proj.astype(dtype).T, state
+
+    # -------------------------------------------------------------------- public
+
+    def __call__(
+        self,
+        x: Real[ArrayLike, "T H"],
+        *,
+        h0: MambaState | None = None,
+        key: PRNGKeyArray | None = None,
+    ) -> Float[Array, "T H"]:
+        """Run the layer over a whole sequence.
+
+        **Arguments:**
+
+        - `x`: the input sequence, shape `(T, input_size)`. One example:
+            `jax.vmap` over a batch.
+        - `h0`: optional state `(conv_state, ssm_state)` to continue from (a
+            previous chunk's [`eqx_seq.Mamba.final_state`][]); zeros if `None`.
+        - `key`: ignored; for compatibility with the rest of the Equinox API.
+
+        **Returns:**
+
+        The output sequence, shape `(T, input_size)`.
+        """
+        del key
+        with jax.named_scope("eqx_seq.Mamba"):
+            x, h0 = self._check(x, h0)
+            return self._run(x, h0)[0]
+
+    def final_state(
+        self, x: Real[ArrayLike, "T H"], *, h0: MambaState | None = None
+    ) -> MambaState:
+        """The state `(conv_state, ssm_state)` after the last step of `x`: calling
+        the layer chunk after chunk, each with `h0=` the `final_state` of the
+        chunks so far, gives the outputs of one call on the whole sequence."""
+        x, h0 = self._check(x, h0)
+        return self._run(x, h0)[1]
+
+    def init_state(self) -> MambaState:
+        """The zero state to start step mode from."""
+        dtype = self.D.dtype
+        return (
+            self.conv.init_state(),
+            jnp.zeros((self.channels, self.state_size), dtype),
+        )
+
+    def step(
+        self, state: MambaState, x_t: Real[ArrayLike, " H"]
+    ) -> tuple[MambaState, Float[Array, " H"]]:
+        """One step (RNN mode): stepping from `init_state()` gives the outputs of
+        the parallel call, to float tolerance.
+
+        **Returns:**
+
+        `(state, y_t)`, `y_t` of shape `(input_size,)`.
+        """
+        x_t = jnp.asarray(x_t)
+        if x_t.shape != (self.input_size,):
+            raise ValueError(
+                f"`step` takes one input of shape ({self.input_size},), got shape "
+                f"{x_t.shape}."
+            )
+        x, (conv_state, h) = self._check(x_t[None], state)
+        dtype = x.dtype
+        vz = x[0] @ self.in_proj.astype(dtype).T
+        v, z = vz[: self.channels], vz[self.channels :]
+        conv_state, u = self.conv.step(conv_state.astype(dtype), v)
+        u = jax.nn.silu(u)
+        delta, B, C = self._mix(u)
+        delta = jax.nn.softplus(delta + self.dt_bias.astype(dtype))
+        A = -jnp.exp(self.A_log.astype(dtype))
+        h = jnp.exp(delta[:, None] * A) * h.astype(dtype) + (delta * u)[:, None] * B
+        y = (h @ C + self.D.astype(dtype) * u) * jax.nn.silu(z)
+        return (conv_state, h), y @ self.out_proj.astype(dtype).T
