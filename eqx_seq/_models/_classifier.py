@@ -10,7 +10,7 @@ from jaxtyping import Array, ArrayLike, Bool, Float, PRNGKeyArray, Real
 
 from .._misc import check_positive_int, error_if_any
 from .._scan import AbstractScan, AutoScan
-from .._ssm._block import make_blocks, run_blocks, S5Block
+from ._blocks import Block, make_blocks, Mixer, run_blocks
 
 
 class SequenceClassifier(eqx.Module):
@@ -34,7 +34,7 @@ class SequenceClassifier(eqx.Module):
     """
 
     encoder: eqx.nn.Linear
-    blocks: tuple[S5Block, ...]
+    blocks: tuple[Block, ...]
     head: eqx.nn.Linear
     pooling: str = eqx.field(static=True)
 
@@ -46,7 +46,7 @@ class SequenceClassifier(eqx.Module):
         width: int = 64,
         depth: int = 4,
         state_size: int = 64,
-        mixer: Literal["s5", "lru"] = "s5",
+        mixer: Mixer = "s5",
         ssm_blocks: int = 1,
         bidirectional: bool = False,
         pooling: Literal["mean", "last"] = "mean",

@@ -1,18 +1,17 @@
 """A causal language model: Embedding, S5/LRU blocks, tied output, generation."""
 
 import math
-from typing import Literal
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 import jax.random as jr
-from jaxtyping import Array, ArrayLike, Complex, Float, Int, PRNGKeyArray, Real
+from jaxtyping import Array, ArrayLike, Float, Int, PRNGKeyArray, PyTree, Real
 
 from .._embedding import Embedding
 from .._misc import check_positive_int, error_if_any
 from .._scan import AbstractScan, AutoScan
-from .._ssm._block import make_blocks, run_blocks, S5Block
+from ._blocks import Block, make_blocks, Mixer, run_blocks
 
 
 class LanguageModel(eqx.Module):
@@ -36,7 +35,7 @@ class LanguageModel(eqx.Module):
     """
 
     embedding: Embedding
-    blocks: tuple[S5Block, ...]
+    blocks: tuple[Block, ...]
     norm: eqx.nn.LayerNorm
 
     def __init__(
@@ -46,7 +45,7 @@ class LanguageModel(eqx.Module):
         width: int = 128,
         depth: int = 4,
         state_size: int = 64,
-        mixer: Literal["s5", "lru"] = "s5",
+        mixer: Mixer = "s5",
         ssm_blocks: int = 1,
         activation: str = "half_glu1",
         dropout: float = 0.0,
@@ -108,13 +107,13 @@ class LanguageModel(eqx.Module):
         z = run_blocks(self.blocks, self.embedding(ids), key)
         return self.embedding.attend(jax.vmap(self.norm)(z))
 
-    def init_state(self) -> tuple[Complex[Array, " P"], ...]:
+    def init_state(self) -> tuple[PyTree[Array], ...]:
         """The zero state of every block, for step mode."""
         return tuple(block.init_state() for block in self.blocks)
 
     def step(
-        self, state: tuple[Complex[Array, " P"], ...], token: Int[ArrayLike, ""]
-    ) -> tuple[tuple[Complex[Array, " P"], ...], Float[Array, " V"]]:
+        self, state: tuple[PyTree[Array], ...], token: Int[ArrayLike, ""]
+    ) -> tuple[tuple[PyTree[Array], ...], Float[Array, " V"]]:
         """Feed one token; return the new states and the next-token logits `(V,)`."""
         z = self.embedding(jnp.asarray(token))
         new = []

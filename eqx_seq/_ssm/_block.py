@@ -1,6 +1,5 @@
 """The residual block around an S5 or LRU layer: norm, SSM, GLU, dropout, skip."""
 
-import math
 from typing import Literal
 
 import equinox as eqx
@@ -9,11 +8,7 @@ import jax.numpy as jnp
 import jax.random as jr
 from jaxtyping import Array, ArrayLike, Complex, Float, PRNGKeyArray, Real
 
-from .._misc import check_positive_int
-from .._scan import AbstractScan
 from ._base import AbstractDiagonalSSM
-from ._lru import LRU
-from ._s5 import S5
 
 
 _ACTIVATIONS = ("gelu", "full_glu", "half_glu1", "half_glu2")
@@ -192,67 +187,3 @@ class S5Block(eqx.Module):
         state, y = self.ssm.step(state, z, dt=dt)
         out = x_t.astype(y.dtype) + self._activate(y)
         return state, out if self.prenorm else self._normalise(out)
-
-
-def make_blocks(
-    width: int,
-    depth: int,
-    state_size: int,
-    *,
-    mixer: Literal["s5", "lru"],
-    ssm_blocks: int,
-    bidirectional: bool,
-    activation: str,
-    norm: str,
-    prenorm: bool,
-    dropout: float,
-    scan: AbstractScan,
-    dtype,
-    key: PRNGKeyArray,
-) -> tuple[S5Block, ...]:
-    """`depth` residual blocks of width `width`, every SSM with the backend `scan`."""
-    check_positive_int("depth", depth)
-    if mixer not in ("s5", "lru"):
-        raise ValueError(f'`mixer` must be "s5" or "lru", got {mixer!r}.')
-    blocks = []
-    for k in jr.split(key, depth):
-        ssm_key, block_key = jr.split(k)
-        if mixer == "s5":
-            ssm = S5(
-                width,
-                state_size,
-                blocks=ssm_blocks,
-                bidirectional=bidirectional,
-                scan=scan,
-                dtype=dtype,
-                key=ssm_key,
-            )
-        else:
-            ssm = LRU(
-                width,
-                state_size,
-                r_min=0.9,
-                max_phase=math.pi / 10,
-                bidirectional=bidirectional,
-                scan=scan,
-                dtype=dtype,
-                key=ssm_key,
-            )
-        blocks.append(
-            S5Block(
-                ssm,
-                norm=norm,
-                prenorm=prenorm,
-                activation=activation,
-                dropout=dropout,
-                key=block_key,
-            )
-        )
-    return tuple(blocks)
-
-
-def run_blocks(blocks, x: Array, key: PRNGKeyArray | None) -> Array:
-    keys = [None] * len(blocks) if key is None else list(jr.split(key, len(blocks)))
-    for block, k in zip(blocks, keys):
-        x = block(x, key=k)
-    return x

@@ -66,4 +66,3 @@ class CausalConv(eqx.Module):
             self.weight.astype(x_t.dtype) * window, axis=0
         )
         return window[1:], y
-

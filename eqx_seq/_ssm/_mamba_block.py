@@ -1,0 +1,110 @@
+"""The residual block around a Mamba layer: norm, Mamba, dropout, skip."""
+
+from typing import Literal
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, ArrayLike, Float, PRNGKeyArray, Real
+
+from ._mamba import Mamba, MambaState
+
+
+class MambaBlock(eqx.Module):
+    """A residual block around a [`eqx_seq.Mamba`][] layer, as in the Mamba
+    paper's models: `x -> x + dropout(mamba(norm(x)))`.
+
+    The norm (`eqx.nn.RMSNorm` by default, or `eqx.nn.LayerNorm`) acts on each
+    time step, so the block has a step mode. Dropout uses one mask for all time
+    steps and is switched off by `eqx.nn.inference_mode`.
+
+    !!! Example
+
+        ```python
+        import jax.numpy as jnp, jax.random as jr
+        import eqx_seq
+
+        block = eqx_seq.MambaBlock(eqx_seq.Mamba(32, key=jr.key(0)))
+        y = block(jnp.ones((100, 32)))                     # (100, 32)
+        ```
+    """
+
+    mamba: Mamba
+    norm: eqx.nn.LayerNorm | eqx.nn.RMSNorm
+    dropout: eqx.nn.Dropout
+
+    def __init__(
+        self,
+        mamba: Mamba,
+        *,
+        norm: Literal["layer", "rms"] = "rms",
+        dropout: float = 0.0,
+    ):
+        """**Arguments:**
+
+        - `mamba`: the sequence mixer, an [`eqx_seq.Mamba`][]; the block's feature
+            size is its `input_size`.
+        - `norm`: `"rms"` (`eqx.nn.RMSNorm`) or `"layer"` (`eqx.nn.LayerNorm`).
+        - `dropout`: the dropout probability on the mixer's output.
+        """
+        if not isinstance(mamba, Mamba):
+            raise ValueError(f"`mamba` must be an `eqx_seq.Mamba`, got {type(mamba)}.")
+        if norm not in ("layer", "rms"):
+            raise ValueError(f'`norm` must be "layer" or "rms", got {norm!r}.')
+        if not 0 <= dropout < 1:
+            raise ValueError(f"`dropout` must be in [0, 1), got {dropout}.")
+        norm_cls = eqx.nn.LayerNorm if norm == "layer" else eqx.nn.RMSNorm
+        self.mamba = mamba
+        self.norm = norm_cls(mamba.input_size, dtype=mamba.D.dtype)
+        self.dropout = eqx.nn.Dropout(dropout)
+
+    @jax.named_scope("eqx_seq.MambaBlock")
+    def __call__(
+        self,
+        x: Real[ArrayLike, "T H"],
+        *,
+        h0: MambaState | None = None,
+        key: PRNGKeyArray | None = None,
+    ) -> Float[Array, "T H"]:
+        """**Arguments:**
+
+        - `x`: one sequence, shape `(T, H)`.
+        - `h0`: the Mamba layer's state to continue from (streaming).
+        - `key`: for dropout (needed when `dropout > 0` outside inference mode).
+
+        **Returns:**
+
+        Shape `(T, H)`.
+        """
+        x = jnp.asarray(x)
+        if x.ndim != 2:
+            raise ValueError(
+                f"`MambaBlock` takes one sequence of shape (T, H), got shape "
+                f"{x.shape}; use `jax.vmap` for a batch."
+            )
+        y = self.mamba(jax.vmap(self.norm)(x), h0=h0)
+        mask = self.dropout(jnp.ones(y.shape[-1], y.dtype), key=key)
+        return x.astype(y.dtype) + y * mask[None]
+
+    def init_state(self) -> MambaState:
+        """The Mamba layer's zero state, for step mode."""
+        return self.mamba.init_state()
+
+    def final_state(
+        self, x: Real[ArrayLike, "T H"], *, h0: MambaState | None = None
+    ) -> MambaState:
+        """The Mamba layer's state after the last step of `x` (streaming)."""
+        return self.mamba.final_state(jax.vmap(self.norm)(jnp.asarray(x)), h0=h0)
+
+    def step(
+        self, state: MambaState, x_t: Real[ArrayLike, " H"]
+    ) -> tuple[MambaState, Float[Array, " H"]]:
+        """One step (RNN mode), equal to the parallel call in inference mode.
+
+        **Returns:**
+
+        `(state, y_t)`, `y_t` of shape `(H,)`.
+        """
+        x_t = jnp.asarray(x_t)
+        state, y = self.mamba.step(state, self.norm(x_t))
+        return state, x_t.astype(y.dtype) + y
