@@ -128,12 +128,16 @@ def test_tridiagonal_solve(method, getkey):
         ("S5-bidirectional", SCANS["associative"]),
         ("LRU", SCANS["associative"]),
         ("S5Block", SCANS["sequential"]),
+        ("Mamba", SCANS["sequential"]),
+        ("MambaBlock", SCANS["associative"]),
     ],
     ids=[
         "S5-sequential",
         "S5-bidirectional-associative",
         "LRU-associative",
         "S5Block-sequential",
+        "Mamba-sequential",
+        "MambaBlock-associative",
     ],
 )
 def test_ssm_layers(kind, scan, getkey):
@@ -141,6 +145,10 @@ def test_ssm_layers(kind, scan, getkey):
     # own arithmetic (discretisation, projections, norms) around them
     if kind == "LRU":
         layer = eqx_seq.LRU(5, 8, scan=scan, key=getkey())
+    elif kind.startswith("Mamba"):
+        layer = eqx_seq.Mamba(5, state_size=4, chunk_size=5, scan=scan, key=getkey())
+        if kind == "MambaBlock":
+            layer = eqx_seq.MambaBlock(layer)
     else:
         bi = kind == "S5-bidirectional"
         layer = eqx_seq.S5(5, 8, bidirectional=bi, scan=scan, key=getkey())

@@ -293,6 +293,9 @@ class Mamba(eqx.Module):
         delta, B, C = self._mix(u)
         delta = jax.nn.softplus(delta + self.dt_bias.astype(dtype))
         A = -jnp.exp(self.A_log.astype(dtype))
-        h = jnp.exp(delta[:, None] * A) * h.astype(dtype) + (delta * u)[:, None] * B
+        h = (
+            jnp.exp(delta[:, None] * A) * h.astype(dtype)
+            + (delta * u)[:, None] * B[None]
+        )
         y = (h @ C + self.D.astype(dtype) * u) * jax.nn.silu(z)
         return (conv_state, h), y @ self.out_proj.astype(dtype).T

@@ -7,18 +7,30 @@ from jaxtyping import PyTree
 
 from .._misc import check_real
 from ._base import AbstractDiagonalSSM
+from ._mamba import Mamba
+
+
+def _recurrence_fields(layer) -> tuple[str, ...] | None:
+    """The fields of `layer` that parameterise its recurrence, or `None` for a
+    module that is not a recurrent layer."""
+    if isinstance(layer, AbstractDiagonalSSM):
+        return (*layer.per_state_fields, "B")
+    if isinstance(layer, Mamba):
+        return ("A_log", "D", "dt_bias")
+    return None
 
 
 def ssm_param_labels(model: PyTree) -> PyTree[str | None]:
     """Label a model's parameters `"ssm"` or `"regular"` for `optax.multi_transform`.
 
     S5 and LRU train their recurrence parameters with a smaller learning rate and no
-    weight decay (Smith et al., 2023; Orvieto et al., 2023). `"ssm"` marks, in every
-    [`eqx_seq.S5`][] and [`eqx_seq.LRU`][] inside `model`, the per-state parameters
-    (S5: `lambda_re`, `lambda_im`, `log_step`; LRU: `nu_log`, `theta_log`,
-    `gamma_log`) and the input matrix `B`; every other floating array is
-    `"regular"`, and everything else `None`, so the labels have the structure of
-    `eqx.filter(model, eqx.is_inexact_array)`.
+    weight decay (Smith et al., 2023; Orvieto et al., 2023), Mamba without weight
+    decay (Gu & Dao, 2023). `"ssm"` marks, in every [`eqx_seq.S5`][] and
+    [`eqx_seq.LRU`][] inside `model`, the per-state parameters (S5: `lambda_re`,
+    `lambda_im`, `log_step`; LRU: `nu_log`, `theta_log`, `gamma_log`) and the input
+    matrix `B`, and in every [`eqx_seq.Mamba`][] `A_log`, `D` and `dt_bias`; every
+    other floating array is `"regular"`, and everything else `None`, so the labels
+    have the structure of `eqx.filter(model, eqx.is_inexact_array)`.
 
     **Arguments:**
 
@@ -51,7 +63,7 @@ def ssm_param_labels(model: PyTree) -> PyTree[str | None]:
     )
 
     def is_ssm(x):
-        return isinstance(x, AbstractDiagonalSSM)
+        return _recurrence_fields(x) is not None
 
     layers = [x for x in jax.tree.leaves(labels, is_leaf=is_ssm) if is_ssm(x)]
     if not layers:
@@ -62,7 +74,7 @@ def ssm_param_labels(model: PyTree) -> PyTree[str | None]:
         return [
             getattr(layer, name)
             for layer in found
-            for name in (*layer.per_state_fields, "B")
+            for name in _recurrence_fields(layer)
         ]
 
     return eqx.tree_at(where, labels, replace=["ssm"] * len(where(labels)))

@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike, Float
 
-from .._misc import check_positive_int, zeros_like_inputs
+from .._misc import check_positive_int, vary_like
 from .._scan import AbstractScan, AutoScan, check_scan
 from ._selective_core import fused_selective_scan
 
@@ -39,8 +39,11 @@ def _run(scan, chunk, u, delta, A, B, C, D, z, delta_bias, delta_softplus, h0):
         delta = delta + delta_bias[None]
     if delta_softplus:
         delta = jax.nn.softplus(delta)
-    if h0 is None:
-        h0 = zeros_like_inputs(A.shape, A.dtype, u, delta, B, C)
+    # Under `jax.shard_map`, a parameter shared by the devices meets per-device
+    # data inside the custom VJP, whose cotangents must have its inputs' types:
+    # made to vary here, JAX sums their cotangents over the devices outside.
+    A = vary_like(A, u, delta, B, C)
+    h0 = jnp.zeros_like(A) if h0 is None else vary_like(h0, A)
     # padded steps have `delta = 0`: a decay of one and no input, so the last state
     # is that of the last real step
     pad = -T % chunk
@@ -175,7 +178,7 @@ def selective_scan(
     _check_shapes(arrays, T, D_, N)
     with jax.numpy_dtype_promotion("standard"):
         dtype = jnp.result_type(*arrays.values())
-    compute = jnp.promote_types(dtype, jnp.float32)
+        compute = jnp.promote_types(dtype, jnp.float32)
     arrays = {k: v.astype(compute) for k, v in arrays.items()}
     y, h_last = _run(
         chosen,

@@ -1,0 +1,372 @@
+"""`eqx_seq.selective_scan`, `eqx_seq.Mamba` and `eqx_seq.MambaBlock` against a
+float64 NumPy loop of the same equations, finite differences, and themselves
+(step mode, streaming, backends, chunk sizes)."""
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import jax.random as jr
+import numpy as np
+import pytest
+from helpers import directional_derivative, directional_fd
+
+import eqx_seq
+
+
+SCANS = {
+    "sequential": eqx_seq.SequentialScan(),
+    "unrolled": eqx_seq.SequentialScan(unroll=3),
+    "associative": eqx_seq.AssociativeScan(),
+}
+
+
+def softplus(x):
+    return np.logaddexp(0.0, x)
+
+
+def silu(x):
+    return x / (1 + np.exp(-x))
+
+
+def reference(
+    u, delta, A, B, C, D=None, z=None, delta_bias=None, softplus_=False, h0=None
+):
+    """The S6 recurrence step by step in float64 NumPy: `(y, h_last)`."""
+    u, delta, A, B, C = (np.asarray(x, np.float64) for x in (u, delta, A, B, C))
+    T, channels = u.shape
+    h = np.zeros(A.shape) if h0 is None else np.array(h0, np.float64)
+    ys = []
+    for t in range(T):
+        d = delta[t] + (0 if delta_bias is None else np.asarray(delta_bias))
+        d = softplus(d) if softplus_ else d
+        h = np.exp(d[:, None] * A) * h + (d * u[t])[:, None] * B[t][None, :]
+        y = h @ C[t]
+        if D is not None:
+            y = y + np.asarray(D) * u[t]
+        if z is not None:
+            y = y * silu(np.asarray(z)[t])
+        ys.append(y)
+    return np.stack(ys), h
+
+
+def problem(key, T=29, channels=5, N=3):
+    k = jr.split(key, 9)
+    return dict(
+        u=jr.normal(k[0], (T, channels)),
+        delta=0.5 * jr.normal(k[1], (T, channels)),
+        A=-jnp.exp(jr.normal(k[2], (channels, N))),
+        B=jr.normal(k[3], (T, N)),
+        C=jr.normal(k[4], (T, N)),
+        D=jr.normal(k[5], (channels,)),
+        z=jr.normal(k[6], (T, channels)),
+        delta_bias=jr.normal(k[7], (channels,)),
+        h0=jr.normal(k[8], (channels, N)),
+    )
+
+
+@pytest.mark.parametrize("scan", SCANS.values(), ids=SCANS.keys())
+@pytest.mark.parametrize("chunk_size", [1, 4, 7, 64])
+def test_selective_scan_matches_numpy_loop(scan, chunk_size, getkey):
+    p = problem(getkey())
+    y, h = eqx_seq.selective_scan(
+        p["u"], p["delta"], p["A"], p["B"], p["C"], p["D"], z=p["z"],
+        delta_bias=p["delta_bias"], delta_softplus=True, h0=p["h0"],
+        return_last_state=True, scan=scan, chunk_size=chunk_size,
+    )  # fmt: skip
+    y_ref, h_ref = reference(
+        p["u"], p["delta"], p["A"], p["B"], p["C"], p["D"], p["z"], p["delta_bias"],
+        True, p["h0"],
+    )  # fmt: skip
+    np.testing.assert_allclose(y, y_ref, rtol=1e-10, atol=1e-12)
+    np.testing.assert_allclose(h, h_ref, rtol=1e-10, atol=1e-12)
+
+
+def test_selective_scan_optional_arguments(getkey):
+    p = problem(getkey())
+    # only the required ones: no skip, no gate, no bias, no softplus, zero state
+    y = eqx_seq.selective_scan(p["u"], jnp.abs(p["delta"]), p["A"], p["B"], p["C"])
+    y_ref, _ = reference(p["u"], jnp.abs(p["delta"]), p["A"], p["B"], p["C"])
+    np.testing.assert_allclose(y, y_ref, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("chunk_size", [4, 64])
+def test_selective_scan_gradients_match_finite_differences(chunk_size, getkey):
+    p = problem(getkey(), T=17)
+
+    def loss(p):
+        y, h = eqx_seq.selective_scan(
+            p["u"], p["delta"], p["A"], p["B"], p["C"], p["D"], z=p["z"],
+            delta_bias=p["delta_bias"], delta_softplus=True, h0=p["h0"],
+            return_last_state=True, chunk_size=chunk_size,
+        )  # fmt: skip
+        return jnp.sum(jnp.sin(y)) + jnp.sum(h**2)
+
+    grads = jax.grad(loss)(p)
+    # every argument on its own, so that a wrong cotangent cannot hide in a sum
+    for name in p:
+        direction = {k: jnp.zeros_like(v) for k, v in p.items()}
+        direction[name] = jr.normal(getkey(), p[name].shape)
+        expected = directional_fd(loss, p, direction)
+        got = directional_derivative(grads, direction)
+        np.testing.assert_allclose(got, expected, rtol=1e-6, err_msg=name)
+
+
+def test_selective_scan_streams_in_chunks(getkey):
+    p = problem(getkey(), T=30)
+    args = ("u", "delta", "B", "C", "z")
+
+    def run(sl, h0):
+        part = {k: p[k][sl] if k in args else p[k] for k in p}
+        return eqx_seq.selective_scan(
+            part["u"], part["delta"], p["A"], part["B"], part["C"], p["D"],
+            z=part["z"], h0=h0, return_last_state=True, chunk_size=8,
+        )  # fmt: skip
+
+    y, h = run(slice(None), None)
+    y1, h1 = run(slice(0, 11), None)
+    y2, h2 = run(slice(11, None), h1)
+    np.testing.assert_allclose(jnp.concatenate([y1, y2]), y, rtol=1e-12)
+    np.testing.assert_allclose(h2, h, rtol=1e-12)
+
+
+def test_selective_scan_gradient_does_not_store_the_states():
+    # T * D * N float64 states would take 32 MiB; the gradient's working memory
+    # must stay far below (chunk-boundary states and one chunk's worth)
+    T, channels, N = 4096, 64, 16
+    args = (
+        jnp.ones((T, channels)),
+        jnp.full((T, channels), 0.1),
+        -jnp.ones((channels, N)),
+        jnp.ones((T, N)),
+        jnp.ones((T, N)),
+    )
+
+    def loss(*args):
+        return jnp.sum(eqx_seq.selective_scan(*args, scan=eqx_seq.SequentialScan()))
+
+    grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4)))
+    temp = grad.lower(*args).compile().memory_analysis().temp_size_in_bytes
+    states = T * channels * N * 8
+    assert temp < states / 4, (temp, states)
+
+
+def test_selective_scan_half_precision(getkey):
+    p = problem(getkey())
+    half = {k: v.astype(jnp.float16) for k, v in p.items()}
+    y = eqx_seq.selective_scan(
+        half["u"], half["delta"], half["A"], half["B"], half["C"], half["D"]
+    )
+    assert y.dtype == jnp.float16
+    as_float32 = {k: v.astype(jnp.float32) for k, v in half.items()}
+    y32 = eqx_seq.selective_scan(
+        as_float32["u"], as_float32["delta"], as_float32["A"], as_float32["B"],
+        as_float32["C"], as_float32["D"],
+    )  # fmt: skip
+    np.testing.assert_allclose(y, y32.astype(jnp.float16), rtol=1e-2, atol=1e-2)
+
+
+def test_selective_scan_under_vmap_and_jit(getkey):
+    ps = [problem(getkey(), T=12) for _ in range(3)]
+    stacked = {k: jnp.stack([p[k] for p in ps]) for k in ps[0]}
+
+    @jax.jit
+    def run(u, delta, B, C):
+        return eqx_seq.selective_scan(u, delta, ps[0]["A"], B, C)
+
+    y = jax.vmap(run)(stacked["u"], stacked["delta"], stacked["B"], stacked["C"])
+    for i, p in enumerate(ps):
+        expected, _ = reference(p["u"], p["delta"], ps[0]["A"], p["B"], p["C"])
+        np.testing.assert_allclose(y[i], expected, rtol=1e-10, atol=1e-12)
+
+
+def test_selective_scan_rejects_bad_input(getkey):
+    p = problem(getkey())
+    u, delta, A, B, C = p["u"], p["delta"], p["A"], p["B"], p["C"]
+    with pytest.raises(ValueError, match="`B` must have shape"):
+        eqx_seq.selective_scan(u, delta, A, B[:-1], C)
+    with pytest.raises(ValueError, match="`delta` must have shape"):
+        eqx_seq.selective_scan(u, delta[:, :-1], A, B, C)
+    with pytest.raises(ValueError, match="`D` must have shape"):
+        eqx_seq.selective_scan(u, delta, A, B, C, jnp.ones(2))
+    with pytest.raises(ValueError, match="`h0` must have shape"):
+        eqx_seq.selective_scan(u, delta, A, B, C, h0=jnp.ones(5))
+    with pytest.raises(ValueError, match="one sequence"):
+        eqx_seq.selective_scan(u[None], delta, A, B, C)
+    with pytest.raises(ValueError, match="T >= 1"):
+        eqx_seq.selective_scan(u[:0], delta[:0], A, B[:0], C[:0])
+    with pytest.raises(ValueError, match="real floating"):
+        eqx_seq.selective_scan(u.astype(jnp.int32), delta, A, B, C)
+    with pytest.raises(ValueError, match="real floating"):
+        eqx_seq.selective_scan(u, delta, A.astype(jnp.complex128), B, C)
+    with pytest.raises(ValueError, match="chunk_size"):
+        eqx_seq.selective_scan(u, delta, A, B, C, chunk_size=0)
+    with pytest.raises(ValueError, match="AbstractScan"):
+        eqx_seq.selective_scan(u, delta, A, B, C, scan="sequential")
+
+
+# ----------------------------------------------------------------------- Mamba
+
+
+def mamba_reference(layer: eqx_seq.Mamba, x):
+    """The Mamba layer's equations in float64 NumPy, from its parameters."""
+    w = {k: np.asarray(v, np.float64) for k, v in {
+        "in": layer.in_proj, "conv_w": layer.conv.weight, "conv_b": layer.conv.bias,
+        "x": layer.x_proj, "dt": layer.dt_proj, "dt_b": layer.dt_bias,
+        "A_log": layer.A_log, "D": layer.D, "out": layer.out_proj,
+    }.items()}  # fmt: skip
+    x = np.asarray(x, np.float64)
+    E, K = layer.channels, layer.conv.kernel_size
+    R, N = layer.dt_rank, layer.state_size
+    vz = x @ w["in"].T
+    v, z = vz[:, :E], vz[:, E:]
+    padded = np.concatenate([np.zeros((K - 1, E)), v])
+    conv = np.stack(
+        [
+            w["conv_b"] + np.sum(w["conv_w"] * padded[t : t + K], 0)
+            for t in range(len(x))
+        ]
+    )
+    u = silu(conv)
+    dbc = u @ w["x"].T
+    delta = dbc[:, :R] @ w["dt"].T
+    y, _ = reference(
+        u, delta, -np.exp(w["A_log"]), dbc[:, R : R + N], dbc[:, R + N :], w["D"], z,
+        w["dt_b"], True,
+    )  # fmt: skip
+    return y @ w["out"].T
+
+
+def test_mamba_matches_numpy(getkey):
+    layer = eqx_seq.Mamba(6, state_size=4, expand=2, dt_rank=2, key=getkey())
+    x = jr.normal(getkey(), (21, 6))
+    np.testing.assert_allclose(
+        layer(x), mamba_reference(layer, x), rtol=1e-9, atol=1e-12
+    )
+
+
+def test_mamba_initialisation(getkey):
+    layer = eqx_seq.Mamba(32, state_size=8, dt_min=1e-3, dt_max=1e-1, key=getkey())
+    assert layer.channels == 64 and layer.dt_rank == 2  # ceil(32 / 16)
+    # S4D-real: A[e, n] = -(n + 1)
+    np.testing.assert_allclose(-jnp.exp(layer.A_log[3]), -jnp.arange(1.0, 9.0))
+    dt = jax.nn.softplus(layer.dt_bias)
+    assert jnp.all((dt >= 1e-3 * (1 - 1e-9)) & (dt <= 1e-1 * (1 + 1e-9)))
+    np.testing.assert_array_equal(layer.D, 1.0)
+
+
+@pytest.mark.parametrize("scan", SCANS.values(), ids=SCANS.keys())
+def test_mamba_step_streaming_and_backends(scan, getkey):
+    key = getkey()
+    layer = eqx_seq.Mamba(5, state_size=3, chunk_size=4, scan=scan, key=key)
+    x = jr.normal(getkey(), (19, 5))
+    y = layer(x)
+    # every backend gives the sequential one's numbers
+    other = eqx_seq.Mamba(5, state_size=3, scan=eqx_seq.SequentialScan(), key=key)
+    np.testing.assert_allclose(y, other(x), rtol=1e-10, atol=1e-12)
+    # step mode
+    state, outs = layer.init_state(), []
+    for t in range(len(x)):
+        state, out = layer.step(state, x[t])
+        outs.append(out)
+    np.testing.assert_allclose(jnp.stack(outs), y, rtol=1e-10, atol=1e-12)
+    # streaming in chunks; the final state is the stepped one
+    first = layer.final_state(x[:7])
+    y2 = jnp.concatenate([layer(x[:7]), layer(x[7:], h0=first)])
+    np.testing.assert_allclose(y2, y, rtol=1e-10, atol=1e-12)
+    for a, b in zip(layer.final_state(x[7:], h0=first), state):
+        np.testing.assert_allclose(a, b, rtol=1e-10, atol=1e-12)
+
+
+def test_mamba_gradients_match_finite_differences(getkey):
+    layer = eqx_seq.Mamba(4, state_size=3, chunk_size=4, key=getkey())
+    x = jr.normal(getkey(), (11, 4))
+    params, static = eqx.partition(layer, eqx.is_inexact_array)
+
+    def loss(params, x):
+        return jnp.sum(jnp.tanh(eqx.combine(params, static)(x)))
+
+    grads = jax.grad(loss, argnums=(0, 1))(params, x)
+    direction = jax.tree.map(lambda a: jr.normal(getkey(), a.shape), (params, x))
+    expected = directional_fd(lambda p: loss(*p), (params, x), direction)
+    np.testing.assert_allclose(
+        directional_derivative(grads, direction), expected, rtol=1e-6
+    )
+
+
+def test_mamba_half_precision_input(getkey):
+    layer = eqx_seq.Mamba(4, state_size=3, dtype=jnp.float32, key=getkey())
+    x = jr.normal(getkey(), (9, 4), jnp.float16)
+    y = layer(x)
+    assert y.dtype == jnp.float32
+    np.testing.assert_allclose(y, layer(x.astype(jnp.float32)), rtol=1e-6)
+
+
+def test_mamba_rejects_bad_input(getkey):
+    layer = eqx_seq.Mamba(4, state_size=3, key=getkey())
+    with pytest.raises(ValueError, match=r"\(T, input_size\)"):
+        layer(jnp.ones((5, 3)))
+    with pytest.raises(ValueError, match=r"\(T, input_size\)"):
+        layer(jnp.ones((2, 5, 4)))
+    with pytest.raises(ValueError, match="real floating"):
+        layer(jnp.ones((5, 4), jnp.int32))
+    with pytest.raises(ValueError, match="conv_state, ssm_state"):
+        layer(jnp.ones((5, 4)), h0=jnp.zeros((8, 3)))
+    with pytest.raises(ValueError, match="got shapes"):
+        layer(jnp.ones((5, 4)), h0=(jnp.zeros((3, 8)), jnp.zeros((8, 4))))
+    with pytest.raises(ValueError, match="one input of shape"):
+        layer.step(layer.init_state(), jnp.ones(3))
+    for kwargs, match in [
+        (dict(state_size=0), "state_size"),
+        (dict(expand=1.5), "expand"),
+        (dict(dt_rank=0), "dt_rank"),
+        (dict(dt_min=0.1, dt_max=0.01), "dt_min"),
+        (dict(dt_min=float("nan")), "dt_min"),
+        (dict(scan=None), "AbstractScan"),
+        (dict(dtype=jnp.float16), "float32 or float64"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            eqx_seq.Mamba(4, key=getkey(), **kwargs)
+
+
+def test_mamba_block(getkey):
+    layer = eqx_seq.Mamba(5, state_size=3, key=getkey())
+    block = eqx_seq.MambaBlock(layer, dropout=0.5)
+    x = jr.normal(getkey(), (13, 5))
+    inference = eqx.nn.inference_mode(block)
+    y = inference(x)
+    norm = jax.vmap(block.norm)(x)
+    np.testing.assert_allclose(y, x + layer(norm), rtol=1e-12)
+    state, outs = block.init_state(), []
+    for t in range(len(x)):
+        state, out = block.step(state, x[t])
+        outs.append(out)
+    np.testing.assert_allclose(jnp.stack(outs), y, rtol=1e-10, atol=1e-12)
+    first = block.final_state(x[:6])
+    np.testing.assert_allclose(
+        jnp.concatenate([inference(x[:6]), inference(x[6:], h0=first)]), y, rtol=1e-10
+    )
+    # dropout: one mask over features for all steps, from the key
+    dropped = block(x, key=getkey()) - x
+    kept = jnp.any(dropped != 0, axis=0)
+    assert 0 < int(jnp.sum(kept)) < 5
+    with pytest.raises(ValueError, match="eqx_seq.Mamba"):
+        eqx_seq.MambaBlock(eqx_seq.LRU(5, 4, key=getkey()))
+    with pytest.raises(ValueError, match="norm"):
+        eqx_seq.MambaBlock(layer, norm="batch")
+    with pytest.raises(ValueError, match="dropout"):
+        eqx_seq.MambaBlock(layer, dropout=1.0)
+    with pytest.raises(ValueError, match=r"\(T, H\)"):
+        block(x[0])
+
+
+def test_ssm_param_labels_mark_mamba_recurrence(getkey):
+    model = eqx_seq.SequenceClassifier(
+        2, 3, width=4, depth=2, state_size=3, mixer="mamba", key=getkey()
+    )
+    labels = eqx_seq.ssm_param_labels(model)
+    for block in labels.blocks:
+        assert block.mamba.A_log == block.mamba.D == block.mamba.dt_bias == "ssm"
+        assert block.mamba.in_proj == block.mamba.x_proj == "regular"
+        assert block.mamba.conv.weight == block.norm.weight == "regular"
+    params = eqx.filter(model, eqx.is_inexact_array)
+    assert jax.tree.structure(labels) == jax.tree.structure(params)
