@@ -17,6 +17,8 @@ LAYERS = {
     "S5": (s5, jnp.ones((6, 3))),
     "LRU": (lambda key: eqx_seq.LRU(3, 4, key=key), jnp.ones((6, 3))),
     "S5Block": (lambda key: eqx_seq.S5Block(s5(key), key=key), jnp.ones((6, 3))),
+    "RGLRU": (lambda key: eqx_seq.RGLRU(4, num_heads=2, key=key), jnp.ones((6, 4))),
+    "HawkBlock": (lambda key: eqx_seq.HawkBlock(3, key=key), jnp.ones((6, 3))),
     "Embedding": (lambda key: eqx_seq.Embedding(5, 3, key=key), jnp.arange(4)),
     "TridiagonalImplicit": (
         lambda key: eqx_seq.TridiagonalImplicit(3, input_dependent=True, key=key),
