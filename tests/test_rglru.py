@@ -2,6 +2,7 @@
 
 import math
 
+import beartype
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -10,6 +11,7 @@ import numpy as np
 import pytest
 import scipy.linalg
 from helpers import directional_derivative, directional_fd
+from jaxtyping import jaxtyped, TypeCheckError
 
 import eqx_seq
 from eqx_seq._ssm._rglru import sqrt_bounded_derivative
@@ -458,3 +460,41 @@ def test_hawk_bad_input(getkey):
         eqx_seq.HawkBlock(4, scan=None, key=getkey())
     with pytest.raises(ValueError, match="float32 or float64"):
         eqx_seq.HawkBlock(4, dtype=jnp.bfloat16, key=getkey())
+
+
+def test_annotations_hold(getkey):
+    def checked(fn):
+        return jaxtyped(typechecker=beartype.beartype)(fn)
+
+    reset = jnp.zeros(T, bool).at[3].set(True)
+    layer = make_rglru(getkey())
+    x = jnp.ones((T, N))
+    assert checked(type(layer).__call__)(layer, x, reset=reset, h0=jnp.ones(N)).shape
+    assert checked(type(layer).final_state)(layer, x, reset=reset).shape == (N,)
+    state = checked(type(layer).init_state)(layer)
+    assert checked(type(layer).step)(layer, state, x[0], reset=True)[1].shape == (N,)
+    block = make_hawk(getkey())
+    x = jnp.ones((T, W))
+    state = checked(type(block).init_state)(block)
+    assert checked(type(block).__call__)(block, x, reset=reset, h0=state).shape
+    assert jax.tree.map(jnp.shape, checked(type(block).final_state)(block, x)) == (
+        (2, L),
+        (L,),
+    )
+    assert checked(type(block).step)(block, state, x[0])[1].shape == (W,)
+    with pytest.raises(TypeCheckError):  # the checker is live
+        checked(type(block).step)(block, (state[1], state[0]), x[0])
+
+
+@pytest.mark.parametrize("conv_size", [1, 2])
+def test_hawk_short_convolutions(conv_size, getkey):
+    block = eqx_seq.HawkBlock(
+        W, lru_width=L, conv_size=conv_size, dtype=jnp.float64, key=getkey()
+    )
+    x = jr.normal(getkey(), (T, W), jnp.float64)
+    reset = jnp.asarray(RESET_AT_0)
+    np.testing.assert_allclose(
+        block(x, reset=reset), hawk_reference(block, x, RESET_AT_0), rtol=1e-10
+    )
+    _, ys = run_steps(block, x, RESET_AT_0, block.init_state())
+    np.testing.assert_allclose(ys, block(x, reset=reset), rtol=1e-10, atol=1e-12)

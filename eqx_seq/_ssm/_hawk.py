@@ -187,7 +187,7 @@ class HawkBlock(eqx.Module):
         x: Real[ArrayLike, " T W"],
         *,
         reset: Bool[ArrayLike, " T"] | None = None,
-        h0: tuple[Real[ArrayLike, "K-1 L"], Real[ArrayLike, " L"]] | None = None,
+        h0: tuple[Real[ArrayLike, "conv L"], Real[ArrayLike, " L"]] | None = None,
         key: PRNGKeyArray | None = None,
     ) -> Float[Array, " T W"]:
         """**Arguments:**
@@ -211,25 +211,25 @@ class HawkBlock(eqx.Module):
         x: Real[ArrayLike, " T W"],
         *,
         reset: Bool[ArrayLike, " T"] | None = None,
-        h0: tuple[Real[ArrayLike, "K-1 L"], Real[ArrayLike, " L"]] | None = None,
-    ) -> tuple[Float[Array, "K-1 L"], Float[Array, " L"]]:
+        h0: tuple[Real[ArrayLike, "conv L"], Real[ArrayLike, " L"]] | None = None,
+    ) -> tuple[Float[Array, "conv L"], Float[Array, " L"]]:
         """The state `(conv_state, rglru_state)` after the last step of `x`: calling
         the block chunk after chunk with `h0=` this state gives one call's outputs.
         The convolution's part holds the last `conv_size - 1` inputs of the last
         segment (zeros for those before its start)."""
         return self._run(x, reset, h0)[1]
 
-    def init_state(self) -> tuple[Float[Array, "K-1 L"], Float[Array, " L"]]:
+    def init_state(self) -> tuple[Float[Array, "conv L"], Float[Array, " L"]]:
         """The zero state `(conv_state, rglru_state)` to start step mode from."""
         return self.conv.init_state(), self.rglru.init_state()
 
     def step(
         self,
-        state: tuple[Real[ArrayLike, "K-1 L"], Real[ArrayLike, " L"]],
+        state: tuple[Real[ArrayLike, "conv L"], Real[ArrayLike, " L"]],
         x_t: Real[ArrayLike, " W"],
         *,
         reset: bool | Bool[ArrayLike, ""] = False,
-    ) -> tuple[tuple[Float[Array, "K-1 L"], Float[Array, " L"]], Float[Array, " W"]]:
+    ) -> tuple[tuple[Float[Array, "conv L"], Float[Array, " L"]], Float[Array, " W"]]:
         """One step (RNN mode), equal to the parallel call.
 
         **Arguments:**
