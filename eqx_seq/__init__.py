@@ -27,6 +27,7 @@ from ._ssm._base import (
     SSMJacobians as SSMJacobians,
 )
 from ._ssm._block import S5Block as S5Block
+from ._ssm._hawk import HawkBlock as HawkBlock
 from ._ssm._lru import LRU as LRU
 from ._ssm._mamba import Mamba as Mamba
 from ._ssm._mamba_block import MambaBlock as MambaBlock
@@ -34,6 +35,7 @@ from ._ssm._optim import (
     s5_optimizer as s5_optimizer,
     ssm_param_labels as ssm_param_labels,
 )
+from ._ssm._rglru import RGLRU as RGLRU
 from ._ssm._s5 import S5 as S5
 from ._ssm._selective_scan import selective_scan as selective_scan
 from ._tridiagonal import tridiagonal_solve as tridiagonal_solve

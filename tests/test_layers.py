@@ -22,6 +22,8 @@ LAYERS = {
         lambda key: eqx_seq.MambaBlock(eqx_seq.Mamba(3, state_size=2, key=key)),
         jnp.ones((6, 3)),
     ),
+    "RGLRU": (lambda key: eqx_seq.RGLRU(4, num_heads=2, key=key), jnp.ones((6, 4))),
+    "HawkBlock": (lambda key: eqx_seq.HawkBlock(3, key=key), jnp.ones((6, 3))),
     "Embedding": (lambda key: eqx_seq.Embedding(5, 3, key=key), jnp.arange(4)),
     "TridiagonalImplicit": (
         lambda key: eqx_seq.TridiagonalImplicit(3, input_dependent=True, key=key),
