@@ -24,24 +24,29 @@ def lm(key, scan=eqx_seq.AutoScan(), **kw):
     return eqx_seq.LanguageModel(11, scan=scan, key=key, **kw)
 
 
+MIXERS = ["s5", "lru", "rglru", "mamba"]
+RECURRENT = (eqx_seq.AbstractDiagonalSSM, eqx_seq.RGLRU, eqx_seq.Mamba)
+
+
 def every_layer_scan(model):
-    return [
-        x.scan
-        for x in jax.tree.leaves(
-            model, is_leaf=lambda x: hasattr(x, "per_state_fields")
-        )
-        if hasattr(x, "per_state_fields")
-    ]
+    def is_layer(x):
+        return isinstance(x, RECURRENT)
+
+    return [x.scan for x in jax.tree.leaves(model, is_leaf=is_layer) if is_layer(x)]
 
 
-def test_backend_reaches_every_layer(getkey):
+@pytest.mark.parametrize("mixer", MIXERS)
+def test_backend_reaches_every_layer(mixer, getkey):
     for scan in SCANS:
-        for model in [classifier(getkey(), scan), lm(getkey(), scan, mixer="lru")]:
+        for model in [
+            classifier(getkey(), scan, mixer=mixer),
+            lm(getkey(), scan, mixer=mixer),
+        ]:
             scans = every_layer_scan(model)
             assert len(scans) == 2 and all(s == scan for s in scans)
 
 
-@pytest.mark.parametrize("mixer", ["s5", "lru"])
+@pytest.mark.parametrize("mixer", MIXERS)
 def test_backends_agree(mixer, getkey):
     key = getkey()
     x = jr.normal(getkey(), (3, 9, 2), jnp.float64)
@@ -61,9 +66,12 @@ def test_denoising_classifier_backends_agree(getkey):
     np.testing.assert_allclose(outs[0], outs[1], rtol=1e-9, atol=1e-10)
 
 
-@pytest.mark.parametrize("pooling", ["mean", "last"])
-def test_classifier_shapes_and_masked_pooling(pooling, getkey):
-    model = classifier(getkey(), pooling=pooling)
+@pytest.mark.parametrize(
+    "pooling, mixer",
+    [("mean", "s5"), ("last", "s5"), ("mean", "rglru"), ("last", "mamba")],
+)
+def test_classifier_shapes_and_masked_pooling(pooling, mixer, getkey):
+    model = classifier(getkey(), pooling=pooling, mixer=mixer)
     x = jr.normal(getkey(), (7, 2), jnp.float64)
     assert model(x).shape == (3,)
     # padding at the end + mask = the unpadded sequence (causal blocks)
@@ -82,9 +90,11 @@ def denoiser(key, scan=eqx_seq.AutoScan()):
 def tiny_task(kind, key):
     """A model, a batch and a loss for it."""
     mkey, xkey = jr.split(key)
+    kind, _, mixer = kind.partition("-")
+    mixer = mixer or "s5"
     if kind == "lm":
         ids = jr.randint(xkey, (4, 10), 0, 11)
-        model = lm(mkey)
+        model = lm(mkey, mixer=mixer)
 
         def loss(model):
             logits = jax.vmap(model)(ids[:, :-1])
@@ -95,7 +105,7 @@ def tiny_task(kind, key):
         return model, loss
     x = jr.normal(xkey, (16, 10, 2), jnp.float64)
     y = (x[:, :, 0].mean(1) > 0).astype(jnp.int32)
-    model = classifier(mkey) if kind == "classifier" else denoiser(mkey)
+    model = classifier(mkey, mixer=mixer) if kind == "classifier" else denoiser(mkey)
 
     def loss(model):
         logits = jax.vmap(model)(x)
@@ -104,7 +114,9 @@ def tiny_task(kind, key):
     return model, loss
 
 
-@pytest.mark.parametrize("kind", ["classifier", "lm", "denoiser"])
+@pytest.mark.parametrize(
+    "kind", ["classifier", "lm", "denoiser", "classifier-rglru", "lm-mamba"]
+)
 def test_training_step_reduces_the_loss(kind, getkey):
     model, loss = tiny_task(kind, getkey())
     optim = eqx_seq.s5_optimizer(1e-2, ssm_learning_rate=1e-3)
@@ -124,8 +136,9 @@ def test_training_step_reduces_the_loss(kind, getkey):
     assert last < 0.8 * first
 
 
-def test_language_model_step_mode_equals_parallel(getkey):
-    model = lm(getkey())
+@pytest.mark.parametrize("mixer", MIXERS)
+def test_language_model_step_mode_equals_parallel(mixer, getkey):
+    model = lm(getkey(), mixer=mixer)
     ids = jr.randint(getkey(), (12,), 0, 11)
     call = eqx.filter_jit(lambda m, x: m(x))
     parallel = call(model, ids)
@@ -183,6 +196,8 @@ def test_bad_input(getkey):
         classifier(getkey(), pooling="max")
     with pytest.raises(ValueError, match="mixer"):
         classifier(getkey(), mixer="lstm")
+    with pytest.raises(ValueError, match="causal"):
+        classifier(getkey(), mixer="mamba", bidirectional=True)
     with pytest.raises(ValueError, match="positive int"):
         classifier(getkey(), depth=0)
     language = lm(getkey())

@@ -370,3 +370,13 @@ def test_ssm_param_labels_mark_mamba_recurrence(getkey):
         assert block.mamba.conv.weight == block.norm.weight == "regular"
     params = eqx.filter(model, eqx.is_inexact_array)
     assert jax.tree.structure(labels) == jax.tree.structure(params)
+
+
+def test_ssm_param_labels_mark_rglru_decay(getkey):
+    model = eqx_seq.SequenceClassifier(
+        2, 3, width=4, depth=1, mixer="rglru", key=getkey()
+    )
+    labels = eqx_seq.ssm_param_labels(model)
+    block = labels.blocks[0]
+    assert block.rglru.a_param == "ssm"
+    assert block.rglru.a_gate_weight == block.in_proj.weight == "regular"

@@ -10,15 +10,16 @@ from jaxtyping import Array, PRNGKeyArray
 from .._misc import check_positive_int
 from .._scan import AbstractScan
 from .._ssm._block import S5Block
+from .._ssm._hawk import HawkBlock
 from .._ssm._lru import LRU
 from .._ssm._mamba import Mamba
 from .._ssm._mamba_block import MambaBlock
 from .._ssm._s5 import S5
 
 
-MIXERS = ("s5", "lru", "mamba")
-Mixer = Literal["s5", "lru", "mamba"]
-Block = S5Block | MambaBlock
+MIXERS = ("s5", "lru", "rglru", "mamba")
+Mixer = Literal["s5", "lru", "rglru", "mamba"]
+Block = S5Block | HawkBlock | MambaBlock
 
 
 def make_blocks(
@@ -38,9 +39,9 @@ def make_blocks(
     key: PRNGKeyArray,
 ) -> tuple[Block, ...]:
     """`depth` residual blocks of width `width`, every recurrence with the backend
-    `scan`: [`eqx_seq.S5Block`][]s around S5 or LRU layers, or
-    [`eqx_seq.MambaBlock`][]s (`activation`, `prenorm` and `ssm_blocks` are the S5
-    block's, and a selective layer is causal)."""
+    `scan`: [`eqx_seq.S5Block`][]s around S5 or LRU layers,
+    [`eqx_seq.HawkBlock`][]s or [`eqx_seq.MambaBlock`][]s (`activation`, `prenorm`
+    and `ssm_blocks` are the S5 block's; the selective layers are causal)."""
     check_positive_int("depth", depth)
     if mixer not in MIXERS:
         raise ValueError(f"`mixer` must be one of {MIXERS}, got {mixer!r}.")
@@ -52,6 +53,9 @@ def make_blocks(
     blocks = []
     for k in jr.split(key, depth):
         ssm_key, block_key = jr.split(k)
+        if mixer == "rglru":
+            blocks.append(HawkBlock(width, scan=scan, dtype=dtype, key=ssm_key))
+            continue
         if mixer == "mamba":
             layer = Mamba(
                 width, state_size=state_size, scan=scan, dtype=dtype, key=ssm_key

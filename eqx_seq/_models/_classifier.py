@@ -1,4 +1,4 @@
-"""A sequence classifier: linear encoder, a stack of S5/LRU blocks, pooling, head."""
+"""A sequence classifier: linear encoder, a stack of recurrent blocks, pooling, head."""
 
 from typing import Literal
 
@@ -14,11 +14,13 @@ from ._blocks import Block, make_blocks, Mixer, run_blocks
 
 
 class SequenceClassifier(eqx.Module):
-    """Classify a sequence: linear encoder → S5/LRU blocks → pooling → linear head.
+    """Classify a sequence: linear encoder → recurrent blocks → pooling → linear head.
 
     The model of the S5 paper's classification tasks (Smith et al., 2023), built
-    from [`eqx_seq.S5`][] (or [`eqx_seq.LRU`][]) inside [`eqx_seq.S5Block`][]s. The
-    backend is chosen once, `scan=`, and reaches every layer. Train it with
+    from [`eqx_seq.S5`][] (or [`eqx_seq.LRU`][]) inside [`eqx_seq.S5Block`][]s, or
+    from the selective layers: [`eqx_seq.HawkBlock`][]s (`mixer="rglru"`) or
+    [`eqx_seq.MambaBlock`][]s (`mixer="mamba"`). The backend is chosen once,
+    `scan=`, and reaches every layer. Train it with
     `eqx_seq.s5_optimizer` (SSM parameters at their own learning rate, without
     weight decay).
 
@@ -64,10 +66,12 @@ class SequenceClassifier(eqx.Module):
         - `num_classes`: the number of classes (logits).
         - `width`: the model width `H` (features inside the blocks).
         - `depth`: the number of blocks.
-        - `state_size`: each SSM's `state_size`.
-        - `mixer`: `"s5"` or `"lru"`.
+        - `state_size`: each SSM's `state_size` (for Mamba, the states per
+            channel; the RG-LRU's state is the width, and this is not used).
+        - `mixer`: `"s5"`, `"lru"`, `"rglru"` or `"mamba"`.
         - `ssm_blocks`: S5's `blocks` (HiPPO blocks of the initialisation).
-        - `bidirectional`: non-causal SSMs (a backward recurrence too).
+        - `bidirectional`: non-causal SSMs (a backward recurrence too; S5 and LRU
+            only).
         - `pooling`: `"mean"` over (valid) steps or the `"last"` (valid) step.
         - `activation`, `norm`, `prenorm`, `dropout`: for every
             [`eqx_seq.S5Block`][].

@@ -1,4 +1,4 @@
-"""A causal language model: Embedding, S5/LRU blocks, tied output, generation."""
+"""A causal language model: Embedding, recurrent blocks, tied output, generation."""
 
 import math
 
@@ -15,7 +15,11 @@ from ._blocks import Block, make_blocks, Mixer, run_blocks
 
 
 class LanguageModel(eqx.Module):
-    """A causal language model: `Embedding` → S5/LRU blocks → norm → tied logits.
+    """A causal language model: `Embedding` → recurrent blocks → norm → tied logits.
+
+    The blocks are [`eqx_seq.S5Block`][]s around S5 or LRU layers,
+    [`eqx_seq.HawkBlock`][]s (`mixer="rglru"`) or [`eqx_seq.MambaBlock`][]s
+    (`mixer="mamba"`).
 
     The output layer is the embedding itself ([`eqx_seq.Embedding.attend`][]), so
     the model has one `(vocab_size, width)` table. Generation runs the blocks in

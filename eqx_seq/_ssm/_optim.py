@@ -8,6 +8,7 @@ from jaxtyping import PyTree
 from .._misc import check_real
 from ._base import AbstractDiagonalSSM
 from ._mamba import Mamba
+from ._rglru import RGLRU
 
 
 def _recurrence_fields(layer) -> tuple[str, ...] | None:
@@ -17,6 +18,8 @@ def _recurrence_fields(layer) -> tuple[str, ...] | None:
         return (*layer.per_state_fields, "B")
     if isinstance(layer, Mamba):
         return ("A_log", "D", "dt_bias")
+    if isinstance(layer, RGLRU):
+        return ("a_param",)
     return None
 
 
@@ -24,13 +27,15 @@ def ssm_param_labels(model: PyTree) -> PyTree[str | None]:
     """Label a model's parameters `"ssm"` or `"regular"` for `optax.multi_transform`.
 
     S5 and LRU train their recurrence parameters with a smaller learning rate and no
-    weight decay (Smith et al., 2023; Orvieto et al., 2023), Mamba without weight
-    decay (Gu & Dao, 2023). `"ssm"` marks, in every [`eqx_seq.S5`][] and
-    [`eqx_seq.LRU`][] inside `model`, the per-state parameters (S5: `lambda_re`,
-    `lambda_im`, `log_step`; LRU: `nu_log`, `theta_log`, `gamma_log`) and the input
-    matrix `B`, and in every [`eqx_seq.Mamba`][] `A_log`, `D` and `dt_bias`; every
-    other floating array is `"regular"`, and everything else `None`, so the labels
-    have the structure of `eqx.filter(model, eqx.is_inexact_array)`.
+    weight decay (Smith et al., 2023; Orvieto et al., 2023); Mamba's and the
+    RG-LRU's decay parameters go without weight decay too. `"ssm"` marks, inside
+    `model`: in every [`eqx_seq.S5`][] and [`eqx_seq.LRU`][], the per-state
+    parameters (S5: `lambda_re`, `lambda_im`, `log_step`; LRU: `nu_log`,
+    `theta_log`, `gamma_log`) and the input matrix `B`; in every
+    [`eqx_seq.Mamba`][], `A_log`, `D` and `dt_bias`; in every [`eqx_seq.RGLRU`][],
+    `a_param`. Every other floating array is `"regular"`, and everything else
+    `None`, so the labels have the structure of
+    `eqx.filter(model, eqx.is_inexact_array)`.
 
     **Arguments:**
 
