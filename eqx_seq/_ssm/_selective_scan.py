@@ -7,8 +7,9 @@ import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike, Float
 
 from .._misc import check_positive_int, vary_like
-from .._scan import AbstractScan, AutoScan, check_scan
+from .._scan import AbstractScan, AutoScan, check_scan, SequentialScan
 from ._selective_core import fused_selective_scan
+from ._selective_loop import looped_selective_scan
 
 
 def _check_shapes(arrays: dict, T: int, D: int, N: int) -> None:
@@ -51,9 +52,11 @@ def _run(scan, chunk, u, delta, A, B, C, D, z, delta_bias, delta_softplus, h0):
     def padded(x):
         return jnp.pad(x, [(0, pad)] + [(0, 0)] * (x.ndim - 1))
 
-    y, h_last = fused_selective_scan(
-        scan, chunk, padded(delta), A, padded(u), padded(B), padded(C), h0
-    )
+    args = (padded(delta), A, padded(u), padded(B), padded(C), h0)
+    if isinstance(scan, SequentialScan):
+        y, h_last = looped_selective_scan(chunk, scan.unroll, *args)
+    else:
+        y, h_last = fused_selective_scan(scan, chunk, *args)
     y = y[:T]
     if D is not None:
         y = y + D[None] * u

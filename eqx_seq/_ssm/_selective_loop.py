@@ -1,0 +1,128 @@
+"""The selective scan's sequential algorithm: one step at a time, everything fused.
+
+The same recurrence, read-out and checkpoints as the chunked algorithm of
+`_selective_core.py`, but the decay `exp(delta_t A)`, the input `(delta_t u_t) B_t`,
+the update and the read-out are computed inside one loop body per step, so no array
+of a chunk's `(L, D, N)` decays or inputs is ever formed: only the `(D, N)` state
+crosses steps. The backward pass recomputes a chunk's states into one `(L, D, N)`
+buffer and runs the adjoint step by step in reverse, reading every cotangent out in
+the same body. The derivation is in `docs/devdocs/selective.md`.
+"""
+
+import functools as ft
+
+import jax
+import jax.lax as lax
+import jax.numpy as jnp
+from jaxtyping import Array
+
+from .._misc import zeros_like_inputs
+
+
+def _chunked(x: Array, chunk: int) -> Array:
+    return x.reshape(x.shape[0] // chunk, chunk, *x.shape[1:])
+
+
+def _unchunked(x: Array) -> Array:
+    return x.reshape(x.shape[0] * x.shape[1], *x.shape[2:])
+
+
+def _row(x: Array, t) -> Array:
+    return lax.dynamic_index_in_dim(x, t, keepdims=False)
+
+
+def _put(buffer: Array, t, value: Array) -> Array:
+    return lax.dynamic_update_index_in_dim(buffer, value, t, 0)
+
+
+def _coefficients(A, delta_t, u_t, B_t):
+    """`(a_t, b_t)` of one step, both `(D, N)`."""
+    return jnp.exp(delta_t[:, None] * A), (delta_t * u_t)[:, None] * B_t[None, :]
+
+
+def _forward(chunk: int, unroll: int, delta, A, u, B, C, h0):
+    """`(y, h_last, h_in)`, `h_in[k]` the state entering chunk `k`."""
+
+    def chunk_body(h, xs):
+        delta_c, u_c, B_c, C_c = xs
+
+        def step(t, carry):
+            h, y = carry
+            a, b = _coefficients(A, _row(delta_c, t), _row(u_c, t), _row(B_c, t))
+            h = a * h + b
+            return h, _put(y, t, jnp.sum(h * _row(C_c, t)[None, :], axis=1))
+
+        y = zeros_like_inputs(u_c.shape, u_c.dtype, h, u_c)
+        h_out, y = lax.fori_loop(0, chunk, step, (h, y), unroll=unroll)
+        return h_out, (y, h)
+
+    xs = tuple(_chunked(x, chunk) for x in (delta, u, B, C))
+    h_last, (y, h_in) = lax.scan(chunk_body, h0, xs)
+    return _unchunked(y), h_last, h_in
+
+
+@ft.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def looped_selective_scan(chunk: int, unroll: int, delta, A, u, B, C, h0):
+    """`(y, h_last)` for inputs whose length is a multiple of `chunk`."""
+    y, h_last, _ = _forward(chunk, unroll, delta, A, u, B, C, h0)
+    return y, h_last
+
+
+def _fwd(chunk, unroll, delta, A, u, B, C, h0):
+    y, h_last, h_in = _forward(chunk, unroll, delta, A, u, B, C, h0)
+    return (y, h_last), (delta, A, u, B, C, h_in)
+
+
+def _bwd(chunk, unroll, residuals, cotangents):
+    delta, A, u, B, C, h_in = residuals
+    gy, g_last = cotangents
+
+    def chunk_body(carry, xs):
+        # `nu`: the cotangent reaching the chunk's last state from later steps,
+        # `a_{t+1} l_{t+1}`; `gA`: the cotangent of `A` so far
+        nu, gA = carry
+        delta_c, u_c, B_c, C_c, gy_c, h_start = xs
+
+        def recompute(t, carry):
+            h, previous = carry
+            a, b = _coefficients(A, _row(delta_c, t), _row(u_c, t), _row(B_c, t))
+            return a * h + b, _put(previous, t, h)
+
+        empty = jnp.zeros((chunk, *h_start.shape), h_start.dtype)
+        _, previous = lax.fori_loop(
+            0, chunk, recompute, (h_start, empty), unroll=unroll
+        )
+
+        def adjoint(i, carry):
+            t = chunk - 1 - i
+            nu, gA, g_delta, g_u, g_B, g_C = carry
+            delta_t, u_t, B_t = _row(delta_c, t), _row(u_c, t), _row(B_c, t)
+            gy_t = _row(gy_c, t)
+            a, b = _coefficients(A, delta_t, u_t, B_t)
+            h_prev = _row(previous, t)
+            lam = nu + gy_t[:, None] * _row(C_c, t)[None, :]
+            g_log_a = lam * a * h_prev  # cotangent of delta_t A
+            g_drive = jnp.sum(lam * B_t[None, :], axis=1)  # of delta_t u_t
+            g_delta = _put(g_delta, t, jnp.sum(g_log_a * A, axis=1) + g_drive * u_t)
+            g_u = _put(g_u, t, g_drive * delta_t)
+            g_B = _put(g_B, t, jnp.sum((delta_t * u_t)[:, None] * lam, axis=0))
+            g_C = _put(g_C, t, jnp.sum(gy_t[:, None] * (a * h_prev + b), axis=0))
+            gA = gA + g_log_a * delta_t[:, None]
+            return a * lam, gA, g_delta, g_u, g_B, g_C
+
+        outputs = tuple(
+            zeros_like_inputs(x.shape, x.dtype, nu, x) for x in (delta_c, u_c, B_c, C_c)
+        )
+        nu, gA, *grads = lax.fori_loop(
+            0, chunk, adjoint, (nu, gA, *outputs), unroll=unroll
+        )
+        return (nu, gA), tuple(grads)
+
+    xs = tuple(_chunked(x, chunk) for x in (delta, u, B, C, gy)) + (h_in,)
+    gA0 = zeros_like_inputs(A.shape, A.dtype, delta, u, B, C, gy, A)
+    (g_h0, gA), grads = lax.scan(chunk_body, (g_last, gA0), xs, reverse=True)
+    g_delta, g_u, g_B, g_C = (_unchunked(g) for g in grads)
+    return g_delta, gA, g_u, g_B, g_C, g_h0
+
+
+looped_selective_scan.defvjp(_fwd, _bwd)
