@@ -18,6 +18,11 @@ EXPECTED = {
         "grad: eqx_seq Thomas, axis=0",
     ],
     "kalman": ["seq filter"],
+    # the script checks ours against the plain S6 and RG-LRU before these lines
+    "selective": [
+        "check: ours, sequential = plain S6",
+        "check: ours, associative = plain RG-LRU (lax.scan)",
+    ],
 }
 
 

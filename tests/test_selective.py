@@ -89,15 +89,20 @@ def test_selective_scan_optional_arguments(getkey):
     np.testing.assert_allclose(y, y_ref, rtol=1e-10, atol=1e-12)
 
 
-@pytest.mark.parametrize("chunk_size", [4, 64])
-def test_selective_scan_gradients_match_finite_differences(chunk_size, getkey):
+@pytest.mark.parametrize(
+    "scan, chunk_size",
+    [("sequential", 4), ("sequential", 64), ("unrolled", 4), ("associative", 4)],
+)
+def test_selective_scan_gradients_match_finite_differences(scan, chunk_size, getkey):
+    # the sequential backends run the fused step loop, the others the chunks
+    # through their recurrence: two hand-written adjoints
     p = problem(getkey(), T=17)
 
     def loss(p):
         y, h = eqx_seq.selective_scan(
             p["u"], p["delta"], p["A"], p["B"], p["C"], p["D"], z=p["z"],
             delta_bias=p["delta_bias"], delta_softplus=True, h0=p["h0"],
-            return_last_state=True, chunk_size=chunk_size,
+            return_last_state=True, chunk_size=chunk_size, scan=SCANS[scan],
         )  # fmt: skip
         return jnp.sum(jnp.sin(y)) + jnp.sum(h**2)
 
@@ -129,7 +134,8 @@ def test_selective_scan_streams_in_chunks(getkey):
     np.testing.assert_allclose(h2, h, rtol=1e-12)
 
 
-def test_selective_scan_gradient_does_not_store_the_states():
+@pytest.mark.parametrize("scan", ["sequential", "associative"])
+def test_selective_scan_gradient_does_not_store_the_states(scan):
     # T * D * N float64 states would take 32 MiB; the gradient's working memory
     # must stay far below (chunk-boundary states and one chunk's worth)
     T, channels, N = 4096, 64, 16
@@ -142,7 +148,7 @@ def test_selective_scan_gradient_does_not_store_the_states():
     )
 
     def loss(*args):
-        return jnp.sum(eqx_seq.selective_scan(*args, scan=eqx_seq.SequentialScan()))
+        return jnp.sum(eqx_seq.selective_scan(*args, scan=SCANS[scan]))
 
     grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4)))
     temp = grad.lower(*args).compile().memory_analysis().temp_size_in_bytes

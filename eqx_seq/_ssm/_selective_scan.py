@@ -98,9 +98,11 @@ def selective_scan(
     state at the start of every chunk of `chunk_size` steps. The gradient
     recomputes a chunk's states and runs the adjoint recurrence through it
     (hand-written, see `docs/devdocs/selective.md`), so its memory is
-    `O(T D + (T / chunk_size) D N + chunk_size D N)`. Differentiable in reverse
-    mode (`jax.grad`, `jax.vjp`) with respect to every array argument; forward
-    mode (`jax.jvp`) is not defined.
+    `O(T D + (T / chunk_size) D N + chunk_size D N)`. A sequential backend
+    ([`eqx_seq.SequentialScan`][]) runs a loop whose body computes a step's decay,
+    input, update and read-out together; any other backend runs each chunk through
+    its `recurrence`. Differentiable in reverse mode (`jax.grad`, `jax.vjp`) with
+    respect to every array argument; forward mode (`jax.jvp`) is not defined.
 
     **Arguments:**
 
@@ -116,8 +118,7 @@ def selective_scan(
     - `delta_softplus`: apply `jax.nn.softplus` to `delta + delta_bias`.
     - `h0`: the state before the first step, shape `(D, N)`; zeros if `None`.
     - `return_last_state`: also return the state after the last step.
-    - `scan`: the backend of the recurrence inside each chunk, an
-        [`eqx_seq.AbstractScan`][].
+    - `scan`: the backend, an [`eqx_seq.AbstractScan`][].
     - `chunk_size`: the steps between stored states.
 
     **Returns:**
