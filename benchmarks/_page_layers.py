@@ -250,3 +250,95 @@ def embedding_summary(p):
         f"`eqx_seq.Embedding` vs raw `jnp.take`: forward {span(fwd)}, "
         f"gradient {span(grad)} (speed-up; 1× is par)"
     )
+
+
+# --- bench_selective.py -------------------------------------------------------------
+def _selective_rows(runs, anchor, kinds):
+    rows = []
+    for T, res in runs.items():
+        plain = res[f"{anchor}: grad"]
+        for k in kinds:
+            f, g = res[f"{k}: forward"], res[f"{k}: grad"]
+            rows.append(
+                [
+                    T,
+                    k,
+                    ms(f["median_ms"]),
+                    ms(g["median_ms"]),
+                    times(div(g["median_ms"], f["median_ms"])),
+                    times(div(plain["median_ms"], g["median_ms"])),
+                    f"{g['peak_mb']:.0f}",
+                    times(g["peak_mb"] / plain["peak_mb"]),
+                    f"{g['compile_s']:.2f}",
+                ]
+            )
+    return table(
+        "T | method | fwd ms | grad ms | grad x fwd | grad speed-up | grad peak MiB | "
+        "peak x plain | grad compile s",
+        rows,
+        left=2,
+    )
+
+
+SELECTIVE_KINDS = ("ours, sequential", "ours, associative")
+
+
+def selective_tables(p):
+    s6, rg = p["s6"], p["rglru"]
+    out = [
+        f"Selective scan (S6): D={s6['D']} channels, N={s6['N']} states, batch "
+        f"{p['batch']} by `jax.vmap`, float32, gradient w.r.t. every input; anchor: "
+        "the plain S6 (states materialised, `lax.associative_scan`, autodiff). A dash: "
+        "not run, its compiled peak being above the script's limit. Peak: XLA's "
+        "memory analysis of the compiled gradient.",
+        "",
+    ]
+    out += _selective_rows(s6["runs"], "plain S6", ("plain S6",) + SELECTIVE_KINDS)
+    out += [
+        f"RG-LRU: width {rg['width']} in {rg['heads']} heads, batch {p['batch']}, "
+        "float32; anchor: the plain RG-LRU (`lax.scan`, autodiff).",
+        "",
+    ]
+    anchor = "plain RG-LRU (lax.scan)"
+    out += _selective_rows(rg["runs"], anchor, (anchor,) + SELECTIVE_KINDS)
+    return out
+
+
+def selective_summary(p):
+    s6 = p["s6"]["runs"]
+    k = SELECTIVE_KINDS[0]
+    su = [
+        div(r["plain S6: grad"]["median_ms"], r[f"{k}: grad"]["median_ms"])
+        for r in s6.values()
+    ]
+    mem = [
+        r["plain S6: grad"]["peak_mb"] / r[f"{k}: grad"]["peak_mb"] for r in s6.values()
+    ]
+    rg = [
+        div(
+            r["plain RG-LRU (lax.scan): grad"]["median_ms"],
+            r[f"{k}: grad"]["median_ms"],
+        )
+        for r in p["rglru"]["runs"].values()
+    ]
+    Ts = "/".join(s6)
+    return (
+        f"S6 gradient vs the plain S6 (T={Ts}): {faster(su)}, {span(mem)} less "
+        f"peak memory; RG-LRU gradient vs `lax.scan`: {faster(rg)}"
+    )
+
+
+def selective_plot(p, ax):
+    runs = p["s6"]["runs"]
+    Ts = list(runs)
+    x = [int(T) for T in Ts]
+    for k in ("plain S6",) + SELECTIVE_KINDS:
+        y = [runs[T][f"{k}: grad"]["median_ms"] for T in Ts]
+        pts = [(a, b) for a, b in zip(x, y) if b is not None]
+        (line,) = ax.loglog(*zip(*pts), "o-", label=k)
+        f = [(a, runs[T][f"{k}: forward"]["median_ms"]) for a, T in zip(x, Ts)]
+        f = [(a, b) for a, b in f if b is not None]
+        ax.loglog(*zip(*f), "o--", color=line.get_color(), alpha=0.6)
+    ax.set_xlabel("T")
+    ax.set_ylabel("ms (median)")
+    ax.set_title("Selective scan: gradient (solid) and forward (dashed)")

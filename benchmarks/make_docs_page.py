@@ -54,6 +54,15 @@ BENCHES = {
         tables=layers.embedding_tables,
         summary=layers.embedding_summary,
     ),
+    "selective": dict(
+        title="Selective layers",
+        what="`selective_scan` against a plain S6 that materialises its states "
+        "(the pure-JAX Mamba ports' method), and `RGLRU` against a plain `lax.scan` "
+        "RG-LRU (recurrentgemma's way).",
+        tables=layers.selective_tables,
+        summary=layers.selective_summary,
+        plot=layers.selective_plot,
+    ),
     "tridiagonal": dict(
         title="Batched tridiagonal solves",
         what="`tridiagonal_solve` against `jax.lax.linalg.tridiagonal_solve` (gtsv), "
