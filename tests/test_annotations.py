@@ -165,3 +165,22 @@ def test_model_annotations():
     assert logits.shape == (7,)
     out = checked_jit(type(lm).generate)(lm, ids, 3, key=jr.key(1))
     assert out.shape == (3,)
+
+
+def test_selective_annotations():
+    T, D, N = 7, 4, 3
+    k = jr.split(jr.key(0), 3)
+    u, delta = jr.normal(k[0], (T, D)), jnp.full((T, D), 0.1)
+    A, B, C = -jnp.ones((D, N)), jr.normal(k[1], (T, N)), jr.normal(k[2], (T, N))
+    y = checked(eqx_seq.selective_scan)(u, delta, A, B, C, jnp.ones(D), z=u)
+    assert y.shape == (T, D)
+    y, h = checked(eqx_seq.selective_scan)(u, delta, A, B, C, return_last_state=True)
+    assert h.shape == (D, N)
+    layer = eqx_seq.Mamba(D, state_size=N, key=jr.key(1))
+    block = eqx_seq.MambaBlock(layer)
+    for module in (layer, block):
+        cls = type(module)
+        assert checked_jit(cls.__call__)(module, u).shape == (T, D)
+        state = checked(cls.final_state)(module, u)
+        state, y_t = checked_jit(cls.step)(module, state, u[0])
+        assert y_t.shape == (D,) and checked(cls.init_state)(module)[1].shape == (8, N)

@@ -32,7 +32,7 @@ class CausalConv(eqx.Module):
     def kernel_size(self) -> int:
         return self.weight.shape[0]
 
-    def init_state(self) -> Float[Array, "K-1 C"]:
+    def init_state(self) -> Float[Array, "K1 C"]:
         return jnp.zeros((self.kernel_size - 1, self.weight.shape[1]), self.bias.dtype)
 
     def _padded(self, x: Array, state: Array | None) -> Array:
@@ -41,7 +41,7 @@ class CausalConv(eqx.Module):
         return jnp.concatenate([state.astype(x.dtype), x])
 
     def __call__(
-        self, x: Float[Array, "T C"], state: Float[Array, "K-1 C"] | None = None
+        self, x: Float[Array, "T C"], state: Float[Array, "K1 C"] | None = None
     ) -> Float[Array, "T C"]:
         T = x.shape[0]
         padded = self._padded(x, state)
@@ -53,14 +53,14 @@ class CausalConv(eqx.Module):
         return y
 
     def final_state(
-        self, x: Float[Array, "T C"], state: Float[Array, "K-1 C"] | None = None
-    ) -> Float[Array, "K-1 C"]:
+        self, x: Float[Array, "T C"], state: Float[Array, "K1 C"] | None = None
+    ) -> Float[Array, "K1 C"]:
         """The last `K - 1` inputs, the state to continue from."""
         return self._padded(x, state)[x.shape[0] :]
 
     def step(
-        self, state: Float[Array, "K-1 C"], x_t: Float[Array, " C"]
-    ) -> tuple[Float[Array, "K-1 C"], Float[Array, " C"]]:
+        self, state: Float[Array, "K1 C"], x_t: Float[Array, " C"]
+    ) -> tuple[Float[Array, "K1 C"], Float[Array, " C"]]:
         window = jnp.concatenate([state.astype(x_t.dtype), x_t[None]])
         y = self.bias.astype(x_t.dtype) + jnp.sum(
             self.weight.astype(x_t.dtype) * window, axis=0

@@ -14,7 +14,7 @@ from ._conv import CausalConv
 from ._selective_scan import selective_scan
 
 
-MambaState = tuple[Float[Array, "K-1 E"], Float[Array, "E N"]]
+MambaState = tuple[Float[Array, "K1 E"], Float[Array, "E N"]]
 
 
 def _linear(key, fan_in: int, fan_out: int, dtype) -> Array:
@@ -53,9 +53,9 @@ class Mamba(eqx.Module):
         ```
     """
 
-    in_proj: Float[Array, "2E H"]
+    in_proj: Float[Array, "E2 H"]
     conv: CausalConv
-    x_proj: Float[Array, "R+2N E"]
+    x_proj: Float[Array, "P E"]
     dt_proj: Float[Array, "E R"]
     dt_bias: Float[Array, " E"]
     A_log: Float[Array, "E N"]
