@@ -130,6 +130,8 @@ def test_tridiagonal_solve(method, getkey):
         ("S5Block", SCANS["sequential"]),
         ("Mamba", SCANS["sequential"]),
         ("MambaBlock", SCANS["associative"]),
+        ("RGLRU", SCANS["associative"]),
+        ("HawkBlock", SCANS["sequential"]),
     ],
     ids=[
         "S5-sequential",
@@ -138,6 +140,8 @@ def test_tridiagonal_solve(method, getkey):
         "S5Block-sequential",
         "Mamba-sequential",
         "MambaBlock-associative",
+        "RGLRU-associative",
+        "HawkBlock-sequential",
     ],
 )
 def test_ssm_layers(kind, scan, getkey):
@@ -145,6 +149,10 @@ def test_ssm_layers(kind, scan, getkey):
     # own arithmetic (discretisation, projections, norms) around them
     if kind == "LRU":
         layer = eqx_seq.LRU(5, 8, scan=scan, key=getkey())
+    elif kind == "RGLRU":
+        layer = eqx_seq.RGLRU(6, num_heads=2, scan=scan, key=getkey())
+    elif kind == "HawkBlock":
+        layer = eqx_seq.HawkBlock(5, lru_width=6, num_heads=2, scan=scan, key=getkey())
     elif kind.startswith("Mamba"):
         layer = eqx_seq.Mamba(5, state_size=4, chunk_size=5, scan=scan, key=getkey())
         if kind == "MambaBlock":
@@ -154,7 +162,8 @@ def test_ssm_layers(kind, scan, getkey):
         layer = eqx_seq.S5(5, 8, bidirectional=bi, scan=scan, key=getkey())
         if kind == "S5Block":
             layer = eqx_seq.S5Block(layer, key=getkey())
-    check_layer(layer, (jr.normal(getkey(), (4, 12, 5)),))
+    size = 6 if kind == "RGLRU" else 5
+    check_layer(layer, (jr.normal(getkey(), (4, 12, size)),))
 
 
 def test_s5_jacobians_and_streaming(getkey):
