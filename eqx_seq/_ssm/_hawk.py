@@ -17,32 +17,6 @@ def _per_step(layer, x: Array) -> Array:
     return jax.vmap(layer)(x) if x.ndim == 2 else layer(x)
 
 
-def _segment_conv(
-    conv: CausalConv, x: Array, state: Array | None, reset: Array | None
-) -> tuple[Array, Array]:
-    """`conv` over `x` from `state`, and its final state, with no step seeing an
-    input from before the segment it is in.
-
-    With `reset`, each output is `conv.step` on its own window of `K` inputs, the
-    entries from earlier segments (the carried `state` too, after a reset) zeroed:
-    the output a separate call on each segment gives.
-    """
-    if reset is None:
-        return conv(x, state), conv.final_state(x, state)
-    T, K = x.shape[0], conv.kernel_size
-    padded = conv._padded(x, state)  # (K - 1 + T, C), the state first
-    # segment index of every padded entry: 0 for the carried state
-    segment = jnp.cumsum(reset, dtype=jnp.int32)
-    padded_segment = jnp.concatenate([jnp.zeros(K - 1, jnp.int32), segment])
-    index = jnp.arange(T)[:, None] + jnp.arange(K)[None]  # (T, K) window indices
-    same = padded_segment[index] == segment[:, None]
-    windows = jnp.where(same[..., None], padded[index], jnp.zeros((), x.dtype))
-    _, y = jax.vmap(conv.step)(windows[:, :-1], windows[:, -1])
-    last = padded_segment[T:] == segment[-1]
-    final = jnp.where(last[:, None], padded[T:], jnp.zeros((), x.dtype))
-    return y, final
-
-
 class HawkBlock(eqx.Module):
     """Hawk's residual block: Griffin's recurrent block and a gated MLP (De et al.,
     2024), the RG-LRU model's layer.
@@ -174,8 +148,9 @@ class HawkBlock(eqx.Module):
             (None, None) if h0 is None else self._check_state(h0, "h0")
         )
         block, x = self._in_dtype(x)
-        gate, u = block._branches(x)
-        u, conv_final = _segment_conv(block.conv, u, conv_state, reset)
+        gate, v = block._branches(x)
+        u = block.conv(v, conv_state, reset)
+        conv_final = block.conv.final_state(v, conv_state, reset)
         h = block.rglru(u, reset=reset, h0=lru_state)
         return block._finish(x, gate, h), (conv_final, h[-1])
 
@@ -256,8 +231,6 @@ class HawkBlock(eqx.Module):
         conv_state, lru_state = self._check_state(state, "state")
         block, x_t = self._in_dtype(x_t)
         gate, u = block._branches(x_t)
-        conv_state = conv_state.astype(x_t.dtype)
-        conv_state = jnp.where(reset, jnp.zeros((), x_t.dtype), conv_state)
-        conv_state, u = block.conv.step(conv_state, u)
+        conv_state, u = block.conv.step(conv_state, u, reset)
         lru_state, h = block.rglru.step(lru_state, u, reset=reset)
         return (conv_state, lru_state), block._finish(x_t, gate, h)
