@@ -6,7 +6,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import jax.random as jr
-from jaxtyping import Array, ArrayLike, Float, PRNGKeyArray, Real
+from jaxtyping import Array, ArrayLike, Bool, Float, PRNGKeyArray, Real
 
 from .._misc import check_parameter_dtype, check_positive_int
 from .._scan import AbstractScan, AutoScan, check_scan
@@ -151,7 +151,7 @@ class Mamba(eqx.Module):
 
     # ---------------------------------------------------------------- validation
 
-    def _check(self, x: Array, h0) -> tuple[Array, MambaState | None]:
+    def _check(self, x: Array, h0, reset=None) -> tuple[Array, MambaState | None]:
         x = jnp.asarray(x)
         if x.ndim != 2 or x.shape[0] == 0 or x.shape[1] != self.input_size:
             raise ValueError(
@@ -164,6 +164,14 @@ class Mamba(eqx.Module):
         dtype = self._dtype(x)
         if h0 is not None:
             h0 = self._check_state(h0)
+        if reset is not None:
+            reset = jnp.asarray(reset)
+            if reset.shape != (x.shape[0],) or reset.dtype != jnp.bool_:
+                raise ValueError(
+                    "`Mamba`: `reset` marks segment starts, a bool array of shape "
+                    f"(T,) = ({x.shape[0]},), got {reset.dtype} of shape "
+                    f"{reset.shape}."
+                )
         return x.astype(dtype), h0
 
     def _check_state(self, state) -> MambaState:
@@ -198,12 +206,14 @@ class Mamba(eqx.Module):
         delta = dbc[..., :R] @ self.dt_proj.astype(v.dtype).T
         return delta, dbc[..., R : R + N], dbc[..., R + N :]
 
-    def _run(self, x: Array, h0: MambaState | None) -> tuple[Array, MambaState]:
+    def _run(
+        self, x: Array, h0: MambaState | None, reset: Array | None
+    ) -> tuple[Array, MambaState]:
         dtype = x.dtype
         vz = x @ self.in_proj.astype(dtype).T
         v, z = vz[:, : self.channels], vz[:, self.channels :]
         conv_state, ssm_state = (None, None) if h0 is None else h0
-        u = jax.nn.silu(self.conv(v, conv_state))
+        u = jax.nn.silu(self.conv(v, conv_state, reset))
         delta, B, C = self._mix(u)
         y, h = selective_scan(
             u,
@@ -216,11 +226,12 @@ class Mamba(eqx.Module):
             delta_bias=self.dt_bias.astype(dtype),
             delta_softplus=True,
             h0=None if ssm_state is None else ssm_state.astype(dtype),
+            reset=reset,
             return_last_state=True,
             scan=self.scan,
             chunk_size=self.chunk_size,
         )
-        state = (self.conv.final_state(v, conv_state), h)
+        state = (self.conv.final_state(v, conv_state, reset), h)
         return y @ self.out_proj.astype(dtype).T, state
 
     # -------------------------------------------------------------------- public
@@ -229,6 +240,7 @@ class Mamba(eqx.Module):
         self,
         x: Real[ArrayLike, "T H"],
         *,
+        reset: Bool[ArrayLike, " T"] | None = None,
         h0: MambaState | None = None,
         key: PRNGKeyArray | None = None,
     ) -> Float[Array, "T H"]:
@@ -238,6 +250,9 @@ class Mamba(eqx.Module):
 
         - `x`: the input sequence, shape `(T, input_size)`. One example:
             `jax.vmap` over a batch.
+        - `reset`: optional bools, shape `(T,)`, `True` where a segment starts
+            (packed sequences): the convolution and the recurrence restart there,
+            so each segment gives the outputs of a separate call.
         - `h0`: optional state `(conv_state, ssm_state)` to continue from (a
             previous chunk's [`eqx_seq.Mamba.final_state`][]); zeros if `None`.
         - `key`: ignored; for compatibility with the rest of the Equinox API.
@@ -248,17 +263,21 @@ class Mamba(eqx.Module):
         """
         del key
         with jax.named_scope("eqx_seq.Mamba"):
-            x, h0 = self._check(x, h0)
-            return self._run(x, h0)[0]
+            x, h0 = self._check(x, h0, reset)
+            return self._run(x, h0, reset)[0]
 
     def final_state(
-        self, x: Real[ArrayLike, "T H"], *, h0: MambaState | None = None
+        self,
+        x: Real[ArrayLike, "T H"],
+        *,
+        reset: Bool[ArrayLike, " T"] | None = None,
+        h0: MambaState | None = None,
     ) -> MambaState:
         """The state `(conv_state, ssm_state)` after the last step of `x`: calling
         the layer chunk after chunk, each with `h0=` the `final_state` of the
         chunks so far, gives the outputs of one call on the whole sequence."""
-        x, h0 = self._check(x, h0)
-        return self._run(x, h0)[1]
+        x, h0 = self._check(x, h0, reset)
+        return self._run(x, h0, reset)[1]
 
     def init_state(self) -> MambaState:
         """The zero state to start step mode from."""
@@ -269,10 +288,14 @@ class Mamba(eqx.Module):
         )
 
     def step(
-        self, state: MambaState, x_t: Real[ArrayLike, " H"]
+        self,
+        state: MambaState,
+        x_t: Real[ArrayLike, " H"],
+        *,
+        reset: bool | Bool[ArrayLike, ""] = False,
     ) -> tuple[MambaState, Float[Array, " H"]]:
         """One step (RNN mode): stepping from `init_state()` gives the outputs of
-        the parallel call, to float tolerance.
+        the parallel call, to float tolerance. `reset=True` starts a segment.
 
         **Returns:**
 
@@ -284,11 +307,15 @@ class Mamba(eqx.Module):
                 f"`step` takes one input of shape ({self.input_size},), got shape "
                 f"{x_t.shape}."
             )
+        reset = jnp.asarray(reset)
+        if reset.shape != () or reset.dtype != jnp.bool_:
+            raise ValueError(f"`reset` in `step` must be a bool scalar, got {reset!r}.")
         x, (conv_state, h) = self._check(x_t[None], state)
         dtype = x.dtype
+        h = jnp.where(reset, jnp.zeros((), h.dtype), h)
         vz = x[0] @ self.in_proj.astype(dtype).T
         v, z = vz[: self.channels], vz[self.channels :]
-        conv_state, u = self.conv.step(conv_state.astype(dtype), v)
+        conv_state, u = self.conv.step(conv_state.astype(dtype), v, reset)
         u = jax.nn.silu(u)
         delta, B, C = self._mix(u)
         delta = jax.nn.softplus(delta + self.dt_bias.astype(dtype))

@@ -5,7 +5,7 @@ from typing import Literal
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, ArrayLike, Float, PRNGKeyArray, Real
+from jaxtyping import Array, ArrayLike, Bool, Float, PRNGKeyArray, Real
 
 from ._mamba import Mamba, MambaState
 
@@ -63,12 +63,15 @@ class MambaBlock(eqx.Module):
         self,
         x: Real[ArrayLike, "T H"],
         *,
+        reset: Bool[ArrayLike, " T"] | None = None,
         h0: MambaState | None = None,
         key: PRNGKeyArray | None = None,
     ) -> Float[Array, "T H"]:
         """**Arguments:**
 
         - `x`: one sequence, shape `(T, H)`.
+        - `reset`: optional bools, shape `(T,)`, `True` where a segment starts
+            (packed sequences), see [`eqx_seq.Mamba`][].
         - `h0`: the Mamba layer's state to continue from (streaming).
         - `key`: for dropout (needed when `dropout > 0` outside inference mode).
 
@@ -82,7 +85,7 @@ class MambaBlock(eqx.Module):
                 f"`MambaBlock` takes one sequence of shape (T, H), got shape "
                 f"{x.shape}; use `jax.vmap` for a batch."
             )
-        y = self.mamba(jax.vmap(self.norm)(x), h0=h0)
+        y = self.mamba(jax.vmap(self.norm)(x), reset=reset, h0=h0)
         mask = self.dropout(jnp.ones(y.shape[-1], y.dtype), key=key)
         return x.astype(y.dtype) + y * mask[None]
 
@@ -91,13 +94,22 @@ class MambaBlock(eqx.Module):
         return self.mamba.init_state()
 
     def final_state(
-        self, x: Real[ArrayLike, "T H"], *, h0: MambaState | None = None
+        self,
+        x: Real[ArrayLike, "T H"],
+        *,
+        reset: Bool[ArrayLike, " T"] | None = None,
+        h0: MambaState | None = None,
     ) -> MambaState:
         """The Mamba layer's state after the last step of `x` (streaming)."""
-        return self.mamba.final_state(jax.vmap(self.norm)(jnp.asarray(x)), h0=h0)
+        z = jax.vmap(self.norm)(jnp.asarray(x))
+        return self.mamba.final_state(z, reset=reset, h0=h0)
 
     def step(
-        self, state: MambaState, x_t: Real[ArrayLike, " H"]
+        self,
+        state: MambaState,
+        x_t: Real[ArrayLike, " H"],
+        *,
+        reset: bool | Bool[ArrayLike, ""] = False,
     ) -> tuple[MambaState, Float[Array, " H"]]:
         """One step (RNN mode), equal to the parallel call in inference mode.
 
@@ -106,5 +118,5 @@ class MambaBlock(eqx.Module):
         `(state, y_t)`, `y_t` of shape `(H,)`.
         """
         x_t = jnp.asarray(x_t)
-        state, y = self.mamba.step(state, self.norm(x_t))
+        state, y = self.mamba.step(state, self.norm(x_t), reset=reset)
         return state, x_t.astype(y.dtype) + y

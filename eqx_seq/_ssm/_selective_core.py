@@ -32,43 +32,44 @@ def _unchunked(x: Array) -> Array:
     return x.reshape(x.shape[0] * x.shape[1], *x.shape[2:])
 
 
-def _chunk_states(scan, delta, A, u, B, h_in):
+def _chunk_states(scan, delta, A, u, B, keep, h_in):
     """The decays `a` and every state `h` of one chunk, both `(L, D, N)`."""
-    a = jnp.exp(delta[:, :, None] * A[None])
+    a = jnp.exp(delta[:, :, None] * A[None]) * keep[:, None, None]
     b = (delta * u)[:, :, None] * B[:, None, :]
     return a, scan.recurrence(a, b, h_in)
 
 
-def _forward(scan: AbstractScan, chunk: int, delta, A, u, B, C, h0):
+def _forward(scan: AbstractScan, chunk: int, delta, A, u, B, C, keep, h0):
     """`(y, h_last, h_in)`, `h_in[k]` the state entering chunk `k`."""
 
     def body(h, xs):
-        delta_c, u_c, B_c, C_c = xs
-        _, h_c = _chunk_states(scan, delta_c, A, u_c, B_c, h)
+        delta_c, u_c, B_c, C_c, keep_c = xs
+        _, h_c = _chunk_states(scan, delta_c, A, u_c, B_c, keep_c, h)
         y_c = jnp.einsum("ldn,ln->ld", h_c, C_c)
         return h_c[-1], (y_c, h)
 
-    xs = tuple(_chunked(x, chunk) for x in (delta, u, B, C))
+    xs = tuple(_chunked(x, chunk) for x in (delta, u, B, C, keep))
     h_last, (y, h_in) = lax.scan(body, h0, xs)
     return _unchunked(y), h_last, h_in
 
 
 @ft.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
 def fused_selective_scan(
-    scan: AbstractScan, chunk: int, delta, A, u, B, C, h0
+    scan: AbstractScan, chunk: int, delta, A, u, B, C, keep, h0
 ) -> tuple[Array, Array]:
-    """`(y, h_last)` for inputs whose length is a multiple of `chunk`."""
-    y, h_last, _ = _forward(scan, chunk, delta, A, u, B, C, h0)
+    """`(y, h_last)` for inputs whose length is a multiple of `chunk`; `keep` is
+    `(T,)`, zero where a segment starts (not differentiated)."""
+    y, h_last, _ = _forward(scan, chunk, delta, A, u, B, C, keep, h0)
     return y, h_last
 
 
-def _fwd(scan, chunk, delta, A, u, B, C, h0):
-    y, h_last, h_in = _forward(scan, chunk, delta, A, u, B, C, h0)
-    return (y, h_last), (delta, A, u, B, C, h_in)
+def _fwd(scan, chunk, delta, A, u, B, C, keep, h0):
+    y, h_last, h_in = _forward(scan, chunk, delta, A, u, B, C, keep, h0)
+    return (y, h_last), (delta, A, u, B, C, keep, h_in)
 
 
 def _bwd(scan, chunk, residuals, cotangents):
-    delta, A, u, B, C, h_in = residuals
+    delta, A, u, B, C, keep, h_in = residuals
     gy, g_last = cotangents
     L = chunk
 
@@ -77,8 +78,8 @@ def _bwd(scan, chunk, residuals, cotangents):
         # steps, `a_{t+1} l_{t+1}` for its last step `t` (`g_last` after the end);
         # `gA`: the cotangent of `A`, summed over the chunks seen so far.
         nu, gA = carry
-        delta_c, u_c, B_c, C_c, gy_c, h_start = xs
-        a, h = _chunk_states(scan, delta_c, A, u_c, B_c, h_start)
+        delta_c, u_c, B_c, C_c, keep_c, gy_c, h_start = xs
+        a, h = _chunk_states(scan, delta_c, A, u_c, B_c, keep_c, h_start)
         # l_t = a_{t+1} l_{t+1} + gy_t C_t, run backwards from `nu`
         a_next = jnp.concatenate([a[1:], jnp.ones_like(a[:1])])
         rhs = gy_c[:, :, None] * C_c[:, None, :]
@@ -94,11 +95,11 @@ def _bwd(scan, chunk, residuals, cotangents):
         gA = gA + jnp.einsum("ldn,ld->dn", g_log_a, delta_c)
         return (a[0] * lam[0], gA), (g_delta, g_u, g_B, g_C)
 
-    xs = tuple(_chunked(x, L) for x in (delta, u, B, C, gy)) + (h_in,)
+    xs = tuple(_chunked(x, L) for x in (delta, u, B, C, keep, gy)) + (h_in,)
     gA0 = zeros_like_inputs(A.shape, A.dtype, delta, u, B, C, gy, A)
     (g_h0, gA), grads = lax.scan(body, (g_last, gA0), xs, reverse=True)
     g_delta, g_u, g_B, g_C = (_unchunked(g) for g in grads)
-    return g_delta, gA, g_u, g_B, g_C, g_h0
+    return g_delta, gA, g_u, g_B, g_C, jnp.zeros_like(keep), g_h0
 
 
 fused_selective_scan.defvjp(_fwd, _bwd)

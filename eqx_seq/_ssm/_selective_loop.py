@@ -35,20 +35,23 @@ def _put(buffer: Array, t, value: Array) -> Array:
     return lax.dynamic_update_index_in_dim(buffer, value, t, 0)
 
 
-def _coefficients(A, delta_t, u_t, B_t):
-    """`(a_t, b_t)` of one step, both `(D, N)`."""
-    return jnp.exp(delta_t[:, None] * A), (delta_t * u_t)[:, None] * B_t[None, :]
+def _coefficients(A, delta_t, u_t, B_t, keep_t):
+    """`(a_t, b_t)` of one step, both `(D, N)`; `keep_t = 0` at a segment start."""
+    a = jnp.exp(delta_t[:, None] * A) * keep_t
+    return a, (delta_t * u_t)[:, None] * B_t[None, :]
 
 
-def _forward(chunk: int, unroll: int, delta, A, u, B, C, h0):
+def _forward(chunk: int, unroll: int, delta, A, u, B, C, keep, h0):
     """`(y, h_last, h_in)`, `h_in[k]` the state entering chunk `k`."""
 
     def chunk_body(h, xs):
-        delta_c, u_c, B_c, C_c = xs
+        delta_c, u_c, B_c, C_c, keep_c = xs
 
         def step(t, carry):
             h, y = carry
-            a, b = _coefficients(A, _row(delta_c, t), _row(u_c, t), _row(B_c, t))
+            a, b = _coefficients(
+                A, _row(delta_c, t), _row(u_c, t), _row(B_c, t), _row(keep_c, t)
+            )
             h = a * h + b
             return h, _put(y, t, jnp.sum(h * _row(C_c, t)[None, :], axis=1))
 
@@ -56,36 +59,39 @@ def _forward(chunk: int, unroll: int, delta, A, u, B, C, h0):
         h_out, y = lax.fori_loop(0, chunk, step, (h, y), unroll=unroll)
         return h_out, (y, h)
 
-    xs = tuple(_chunked(x, chunk) for x in (delta, u, B, C))
+    xs = tuple(_chunked(x, chunk) for x in (delta, u, B, C, keep))
     h_last, (y, h_in) = lax.scan(chunk_body, h0, xs)
     return _unchunked(y), h_last, h_in
 
 
 @ft.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def looped_selective_scan(chunk: int, unroll: int, delta, A, u, B, C, h0):
-    """`(y, h_last)` for inputs whose length is a multiple of `chunk`."""
-    y, h_last, _ = _forward(chunk, unroll, delta, A, u, B, C, h0)
+def looped_selective_scan(chunk: int, unroll: int, delta, A, u, B, C, keep, h0):
+    """`(y, h_last)` for inputs whose length is a multiple of `chunk`; `keep` is
+    `(T,)`, zero where a segment starts (not differentiated)."""
+    y, h_last, _ = _forward(chunk, unroll, delta, A, u, B, C, keep, h0)
     return y, h_last
 
 
-def _fwd(chunk, unroll, delta, A, u, B, C, h0):
-    y, h_last, h_in = _forward(chunk, unroll, delta, A, u, B, C, h0)
-    return (y, h_last), (delta, A, u, B, C, h_in)
+def _fwd(chunk, unroll, delta, A, u, B, C, keep, h0):
+    y, h_last, h_in = _forward(chunk, unroll, delta, A, u, B, C, keep, h0)
+    return (y, h_last), (delta, A, u, B, C, keep, h_in)
 
 
 def _bwd(chunk, unroll, residuals, cotangents):
-    delta, A, u, B, C, h_in = residuals
+    delta, A, u, B, C, keep, h_in = residuals
     gy, g_last = cotangents
 
     def chunk_body(carry, xs):
         # `nu`: the cotangent reaching the chunk's last state from later steps,
         # `a_{t+1} l_{t+1}`; `gA`: the cotangent of `A` so far
         nu, gA = carry
-        delta_c, u_c, B_c, C_c, gy_c, h_start = xs
+        delta_c, u_c, B_c, C_c, keep_c, gy_c, h_start = xs
 
         def recompute(t, carry):
             h, previous = carry
-            a, b = _coefficients(A, _row(delta_c, t), _row(u_c, t), _row(B_c, t))
+            a, b = _coefficients(
+                A, _row(delta_c, t), _row(u_c, t), _row(B_c, t), _row(keep_c, t)
+            )
             return a * h + b, _put(previous, t, h)
 
         empty = jnp.zeros((chunk, *h_start.shape), h_start.dtype)
@@ -98,7 +104,7 @@ def _bwd(chunk, unroll, residuals, cotangents):
             nu, gA, g_delta, g_u, g_B, g_C = carry
             delta_t, u_t, B_t = _row(delta_c, t), _row(u_c, t), _row(B_c, t)
             gy_t = _row(gy_c, t)
-            a, b = _coefficients(A, delta_t, u_t, B_t)
+            a, b = _coefficients(A, delta_t, u_t, B_t, _row(keep_c, t))
             h_prev = _row(previous, t)
             lam = nu + gy_t[:, None] * _row(C_c, t)[None, :]
             g_log_a = lam * a * h_prev  # cotangent of delta_t A
@@ -118,11 +124,11 @@ def _bwd(chunk, unroll, residuals, cotangents):
         )
         return (nu, gA), tuple(grads)
 
-    xs = tuple(_chunked(x, chunk) for x in (delta, u, B, C, gy)) + (h_in,)
+    xs = tuple(_chunked(x, chunk) for x in (delta, u, B, C, keep, gy)) + (h_in,)
     gA0 = zeros_like_inputs(A.shape, A.dtype, delta, u, B, C, gy, A)
     (g_h0, gA), grads = lax.scan(chunk_body, (g_last, gA0), xs, reverse=True)
     g_delta, g_u, g_B, g_C = (_unchunked(g) for g in grads)
-    return g_delta, gA, g_u, g_B, g_C, g_h0
+    return g_delta, gA, g_u, g_B, g_C, jnp.zeros_like(keep), g_h0
 
 
 looped_selective_scan.defvjp(_fwd, _bwd)

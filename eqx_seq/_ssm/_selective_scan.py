@@ -4,7 +4,7 @@ argument meanings, unbatched and time-first."""
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, ArrayLike, Float
+from jaxtyping import Array, ArrayLike, Bool, Float
 
 from .._misc import check_positive_int, vary_like
 from .._scan import AbstractScan, AutoScan, check_scan, SequentialScan
@@ -33,8 +33,20 @@ def _check_shapes(arrays: dict, T: int, D: int, N: int) -> None:
             )
 
 
+def _check_reset(reset, T: int) -> Array | None:
+    if reset is None:
+        return None
+    reset = jnp.asarray(reset)
+    if reset.shape != (T,) or reset.dtype != jnp.bool_:
+        raise ValueError(
+            "`selective_scan`: `reset` marks segment starts, a bool array of shape "
+            f"(T,) = ({T},), got {reset.dtype} of shape {reset.shape}."
+        )
+    return reset
+
+
 @eqx.filter_jit
-def _run(scan, chunk, u, delta, A, B, C, D, z, delta_bias, delta_softplus, h0):
+def _run(scan, chunk, u, delta, A, B, C, D, z, delta_bias, delta_softplus, h0, reset):
     T = u.shape[0]
     if delta_bias is not None:
         delta = delta + delta_bias[None]
@@ -52,7 +64,10 @@ def _run(scan, chunk, u, delta, A, B, C, D, z, delta_bias, delta_softplus, h0):
     def padded(x):
         return jnp.pad(x, [(0, pad)] + [(0, 0)] * (x.ndim - 1))
 
-    args = (padded(delta), A, padded(u), padded(B), padded(C), h0)
+    # zero decay at a segment start: the state restarts there
+    keep = jnp.ones(T, A.dtype) if reset is None else (~reset).astype(A.dtype)
+    keep = jnp.pad(keep, (0, pad), constant_values=1)
+    args = (padded(delta), A, padded(u), padded(B), padded(C), keep, h0)
     if isinstance(scan, SequentialScan):
         y, h_last = looped_selective_scan(chunk, scan.unroll, *args)
     else:
@@ -77,6 +92,7 @@ def selective_scan(
     delta_bias: Float[ArrayLike, " D"] | None = None,
     delta_softplus: bool = False,
     h0: Float[ArrayLike, "D N"] | None = None,
+    reset: Bool[ArrayLike, " T"] | None = None,
     return_last_state: bool = False,
     scan: AbstractScan = AutoScan(),
     chunk_size: int = 64,
@@ -117,6 +133,9 @@ def selective_scan(
     - `delta_bias`: added to `delta`, shape `(D,)`.
     - `delta_softplus`: apply `jax.nn.softplus` to `delta + delta_bias`.
     - `h0`: the state before the first step, shape `(D, N)`; zeros if `None`.
+    - `reset`: optional bools, shape `(T,)`, `True` where a segment starts (packed
+        sequences): there the state restarts from zero (the decay is zero), so
+        each segment gives the outputs of a separate call.
     - `return_last_state`: also return the state after the last step.
     - `scan`: the backend, an [`eqx_seq.AbstractScan`][].
     - `chunk_size`: the steps between stored states.
@@ -197,6 +216,7 @@ def selective_scan(
         arrays.get("delta_bias"),
         bool(delta_softplus),
         arrays.get("h0"),
+        _check_reset(reset, T),
     )
     y = y.astype(dtype)
     if return_last_state:
