@@ -61,7 +61,7 @@ def parse_args():
     parser.add_argument("--ssm-lr", type=float, default=2e-3, help="SSM parameters")
     parser.add_argument("--weight-decay", type=float, default=0.05)
     parser.add_argument(
-        "--shift", type=int, default=4, help="largest random circular shift (steps)"
+        "--shift", type=int, default=2, help="largest random circular shift (steps)"
     )
     parser.add_argument(
         "--scale", type=float, default=0.2, help="random scaling by 1 ± this"
@@ -142,15 +142,15 @@ def load_data(validation: int, seed: int):
 
 
 def augment(x, key, args):
-    """A random circular shift, scaling, shear and noise of one sequence `(T, 1)`,
+    """A random circular shift, scaling, shear and noise of one sequence `(T, 1)`:
     the kinds of change that made the data set from its templates."""
     if args.no_augment:
         return x
     k_shift, k_scale, k_shear, k_noise = jr.split(key, 4)
-    shift = jr.randint(k_shift, (), -args.shift, args.shift + 1)
-    x = jnp.roll(x, shift, axis=0)
+    # the data's translation is circular
+    x = jnp.roll(x, jr.randint(k_shift, (), -args.shift, args.shift + 1), axis=0)
     x = x * (1 + args.scale * jr.uniform(k_scale, minval=-1, maxval=1))
-    ramp = jnp.linspace(-0.5, 0.5, x.shape[0])[:, None]
+    ramp = jnp.linspace(-0.5, 0.5, x.shape[0], dtype=x.dtype)[:, None]
     x = x + args.shear * jr.uniform(k_shear, minval=-1, maxval=1) * ramp
     return x + args.noise * jr.normal(k_noise, x.shape)
 
