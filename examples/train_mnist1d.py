@@ -46,7 +46,7 @@ def parse_args():
     parser.add_argument(
         "--mixer", choices=MIXERS, default=None, help="one mixer (overrides --mixers)"
     )
-    parser.add_argument("--epochs", type=int, default=60)
+    parser.add_argument("--epochs", type=int, default=100)
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--width", type=int, default=64)
     parser.add_argument("--depth", type=int, default=4)
