@@ -339,7 +339,7 @@ def main():
     rows.sort(key=lambda row: row[1])
     print(f"\n{'model':32s} {'test acc':>8s} {'params':>8s} {'train time':>10s}")
     for name, acc, params, elapsed in rows:
-        print(f"{name:32s} {acc:8.3f} {params:>8s} {elapsed:>10s}")
+        print(f"{name:32s} {acc:8.3f} {params:>8s} {elapsed:>10s}".rstrip())
     best = max(histories, key=lambda m: histories[m]["final"])
     print(f"best mixer: {best}, test accuracy {histories[best]['final']:.4f}")
 
