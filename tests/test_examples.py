@@ -53,6 +53,46 @@ def test_train_digits_reaches_the_goal(tmp_path):
     assert accuracy >= 0.95
 
 
+def test_train_mnist1d_example(tmp_path):
+    out = run_script(
+        "examples/train_mnist1d.py",
+        "--mixers",
+        "s5",
+        "--epochs",
+        "1",
+        "--limit",
+        "128",
+        "--validation",
+        "64",
+        "--width",
+        "8",
+        "--depth",
+        "1",
+        "--state-size",
+        "8",
+        "--no-progress",
+        "--out",
+        str(tmp_path),
+    )
+    assert "s5     epoch   1" in out and "val acc" in out
+    # the table: our row beside the published ones
+    assert "s5 (ours)" in out and "CNN (published)" in out and "best mixer: s5" in out
+    assert (tmp_path / "s5.eqx").exists() and (tmp_path / "mnist1d_curves.png").exists()
+
+
+@pytest.mark.slow
+def test_train_mnist1d_reaches_the_goal(tmp_path):
+    out = run_script(
+        "examples/train_mnist1d.py",
+        "--no-progress",
+        "--out",
+        str(tmp_path),
+        timeout=3600,
+    )
+    accuracy = float(out.split("best mixer: ")[1].split("test accuracy ")[1].split()[0])
+    assert accuracy >= 0.96
+
+
 def test_train_char_lm_example(tmp_path):
     out = run_script(
         "examples/train_char_lm.py",
