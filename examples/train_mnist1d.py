@@ -21,8 +21,8 @@ import os
 import sys
 
 
-# the mixers trained by default (`--mixers`); all of MIXERS once they exist
-DEFAULT_MIXERS = "s5,lru"
+# the mixers trained by default (`--mixers`)
+DEFAULT_MIXERS = "s5,lru,rglru,mamba"
 MIXERS = ("s5", "lru", "rglru", "mamba")
 # the mnist1d README's test accuracies
 BASELINES = {
@@ -53,7 +53,9 @@ def parse_args():
     parser.add_argument("--state-size", type=int, default=32)
     parser.add_argument("--ssm-blocks", type=int, default=1)
     parser.add_argument(
-        "--causal", action="store_true", help="causal blocks (default bidirectional)"
+        "--causal",
+        action="store_true",
+        help="causal S5/LRU blocks (default bidirectional; rglru and mamba are causal)",
     )
     parser.add_argument("--pooling", choices=["mean", "last"], default="mean")
     parser.add_argument("--dropout", type=float, default=0.1)
@@ -164,7 +166,8 @@ def make_model(mixer, args, key):
         state_size=args.state_size,
         mixer=mixer,
         ssm_blocks=args.ssm_blocks,
-        bidirectional=not args.causal,
+        # the selective layers are causal
+        bidirectional=not args.causal and mixer in ("s5", "lru"),
         pooling=args.pooling,
         dropout=args.dropout,
         key=key,
