@@ -220,6 +220,8 @@ def main():
             parser.error(f"unknown mixer {mixer!r}; choose from {MIXERS}")
     lengths = parse_list(args.lengths, int)
     eval_lengths = parse_list(args.eval_lengths, int)
+    if not lengths or min(lengths + eval_lengths) < NUM_DATA:
+        parser.error(f"every context length must hold the {NUM_DATA} data tokens")
     try:
         import tqdm  # noqa: F401
     except ImportError:  # the examples extra brings tqdm; run without a bar if absent
