@@ -143,6 +143,7 @@ def test_selective_copying_rejects_bad_settings(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(3600)  # a training of several minutes, longer on a loaded CPU
 def test_selective_copying_mamba_reaches_the_goal(tmp_path):
     out = run_script(
         "examples/selective_copying.py",
