@@ -145,3 +145,54 @@ def test_kalman_nile_example(tmp_path):
     eta = float(out.split("sigma2_eta = ")[1].split()[0])
     assert abs(eps - 15099) / 15099 < 0.01 and abs(eta - 1469.1) / 1469.1 < 0.01
     assert (tmp_path / "nile.png").exists()
+
+
+def test_selective_copying_example(tmp_path):
+    out = run_script(
+        "examples/selective_copying.py",
+        "--mixers",
+        "mamba,s5",
+        "--lengths",
+        "20",
+        "--eval-lengths",
+        "24",
+        "--steps",
+        "2",
+        "--batch-size",
+        "4",
+        "--width",
+        "8",
+        "--state-size",
+        "4",
+        "--eval-sequences",
+        "8",
+        "--no-progress",
+        "--out",
+        str(tmp_path),
+    )
+    for row in ("| mamba | 20 | 20 |", "| mamba | 20 | 24 |", "| s5 | 20 | 20 |"):
+        assert row in out
+    assert "| paper: Mamba | 4096 | 4096 | 0.998 |" in out
+    assert (tmp_path / "selective_copying.png").exists()
+
+
+def test_selective_copying_rejects_bad_settings(tmp_path):
+    for bad in (["--mixers", "gru"], ["--lengths", "8"]):
+        with pytest.raises(AssertionError, match="error"):
+            run_script("examples/selective_copying.py", *bad, "--out", str(tmp_path))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(3600)  # a training of several minutes, longer on a loaded CPU
+def test_selective_copying_mamba_reaches_the_goal(tmp_path):
+    out = run_script(
+        "examples/selective_copying.py",
+        "--mixers",
+        "mamba",
+        "--no-progress",
+        "--out",
+        str(tmp_path),
+        timeout=3600,
+    )
+    row = next(line for line in out.splitlines() if line.startswith("| mamba |"))
+    assert float(row.split("|")[4]) >= 0.99
