@@ -21,8 +21,9 @@ import os
 import sys
 
 
-# the mixers trained by default (`--mixers`)
-DEFAULT_MIXERS = "s5,lru,rglru,mamba"
+# the mixers trained by default (`--mixers`); Mamba at these sizes takes hours on
+# a CPU, so it is run on its own at a smaller size (see the docs page)
+DEFAULT_MIXERS = "s5,lru,rglru"
 MIXERS = ("s5", "lru", "rglru", "mamba")
 # the mnist1d README's test accuracies
 BASELINES = {
