@@ -6,10 +6,16 @@ import jax.numpy as jnp
 import jax.random as jr
 from jaxtyping import Array, ArrayLike, Bool, Float, PRNGKeyArray, Real
 
-from .._misc import check_parameter_dtype, check_positive_int
+from .._misc import (
+    check_parameter_dtype,
+    check_positive_int,
+    check_reset,
+    check_sequence,
+    check_state,
+)
 from .._scan import AbstractScan, AutoScan
 from ._conv import CausalConv
-from ._rglru import check_reset, check_sequence, check_state, RGLRU
+from ._rglru import RGLRU
 
 
 def _per_step(layer, x: Array) -> Array:

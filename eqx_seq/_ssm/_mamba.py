@@ -8,7 +8,12 @@ import jax.numpy as jnp
 import jax.random as jr
 from jaxtyping import Array, ArrayLike, Bool, Float, PRNGKeyArray, Real
 
-from .._misc import check_parameter_dtype, check_positive_int
+from .._misc import (
+    check_parameter_dtype,
+    check_positive_int,
+    check_reset,
+    check_sequence,
+)
 from .._scan import AbstractScan, AutoScan, check_scan
 from ._conv import CausalConv
 from ._selective_scan import selective_scan
@@ -152,27 +157,11 @@ class Mamba(eqx.Module):
     # ---------------------------------------------------------------- validation
 
     def _check(self, x: Array, h0, reset=None) -> tuple[Array, MambaState | None]:
-        x = jnp.asarray(x)
-        if x.ndim != 2 or x.shape[0] == 0 or x.shape[1] != self.input_size:
-            raise ValueError(
-                "`Mamba` takes one unbatched sequence of shape (T, input_size) = "
-                f"(T, {self.input_size}) with T >= 1, got shape {x.shape}; use "
-                "`jax.vmap` for a batch."
-            )
-        if not jnp.issubdtype(x.dtype, jnp.floating):
-            raise ValueError(f"`Mamba` needs a real floating input, got {x.dtype}.")
-        dtype = self._dtype(x)
+        x = check_sequence(x, self.input_size, "Mamba")
         if h0 is not None:
             h0 = self._check_state(h0)
-        if reset is not None:
-            reset = jnp.asarray(reset)
-            if reset.shape != (x.shape[0],) or reset.dtype != jnp.bool_:
-                raise ValueError(
-                    "`Mamba`: `reset` marks segment starts, a bool array of shape "
-                    f"(T,) = ({x.shape[0]},), got {reset.dtype} of shape "
-                    f"{reset.shape}."
-                )
-        return x.astype(dtype), h0
+        check_reset(reset, x.shape[0], "Mamba")
+        return x.astype(self._dtype(x)), h0
 
     def _check_state(self, state) -> MambaState:
         shapes = (

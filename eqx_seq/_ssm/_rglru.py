@@ -9,7 +9,14 @@ import jax.numpy as jnp
 import jax.random as jr
 from jaxtyping import Array, ArrayLike, Bool, Float, PRNGKeyArray, Real
 
-from .._misc import check_parameter_dtype, check_positive_int, check_real
+from .._misc import (
+    check_parameter_dtype,
+    check_positive_int,
+    check_real,
+    check_reset,
+    check_sequence,
+    check_state,
+)
 from .._recurrence import linear_recurrence
 from .._scan import AbstractScan, AutoScan, check_scan
 
@@ -38,43 +45,6 @@ def _sqrt_bounded_derivative_jvp(primals, tangents):
     (x,), (dx,) = primals, tangents
     floor = jnp.asarray(_SQRT_FLOOR, x.dtype)
     return jnp.sqrt(x), dx * (0.5 / jnp.sqrt(jnp.maximum(x, floor)))
-
-
-def check_reset(reset, length: int, name: str) -> Array | None:
-    """`reset` as a bool array of shape `(length,)`, or a `ValueError`."""
-    if reset is None:
-        return None
-    reset = jnp.asarray(reset)
-    if reset.shape != (length,) or reset.dtype != jnp.bool_:
-        raise ValueError(
-            f"`{name}`: `reset` marks segment starts, a bool array of shape (T,) = "
-            f"({length},), got {reset.dtype} of shape {reset.shape}."
-        )
-    return reset
-
-
-def check_sequence(x, size: int, name: str) -> Array:
-    """`x` if it is one real floating sequence of shape `(T, size)`, `T >= 1`."""
-    x = jnp.asarray(x)
-    if x.ndim != 2 or x.shape[0] == 0 or x.shape[1] != size:
-        raise ValueError(
-            f"`{name}` takes one unbatched sequence of shape (T, {size}) with T >= 1, "
-            f"got shape {x.shape}; use `jax.vmap` for a batch."
-        )
-    if not jnp.issubdtype(x.dtype, jnp.floating):
-        raise ValueError(f"`{name}` needs a real floating input, got {x.dtype}.")
-    return x
-
-
-def check_state(h0, shape: tuple[int, ...], name: str, what: str = "h0") -> Array:
-    """`h0` if it is a real array of `shape`."""
-    h0 = jnp.asarray(h0)
-    if h0.shape != shape or jnp.iscomplexobj(h0):
-        raise ValueError(
-            f"`{name}`: `{what}` must be a real array of shape {shape}, got "
-            f"{h0.dtype} of shape {h0.shape}."
-        )
-    return h0
 
 
 class RGLRU(eqx.Module):

@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike, Bool, Float
 
-from .._misc import check_positive_int, vary_like
+from .._misc import check_positive_int, check_reset, vary_like
 from .._scan import AbstractScan, AutoScan, check_scan, SequentialScan
 from ._selective_core import fused_selective_scan
 from ._selective_loop import looped_selective_scan
@@ -31,18 +31,6 @@ def _check_shapes(arrays: dict, T: int, D: int, N: int) -> None:
                 f"T = {T} steps, D = {D} channels and N = {N} states, read from "
                 f"`u` {(T, D)} and `A` {(D, N)}), got shape {x.shape}."
             )
-
-
-def _check_reset(reset, T: int) -> Array | None:
-    if reset is None:
-        return None
-    reset = jnp.asarray(reset)
-    if reset.shape != (T,) or reset.dtype != jnp.bool_:
-        raise ValueError(
-            "`selective_scan`: `reset` marks segment starts, a bool array of shape "
-            f"(T,) = ({T},), got {reset.dtype} of shape {reset.shape}."
-        )
-    return reset
 
 
 @eqx.filter_jit
@@ -216,7 +204,7 @@ def selective_scan(
         arrays.get("delta_bias"),
         bool(delta_softplus),
         arrays.get("h0"),
-        _check_reset(reset, T),
+        check_reset(reset, T, "selective_scan"),
     )
     y = y.astype(dtype)
     if return_last_state:
