@@ -11,6 +11,7 @@ from jaxtyping import Array, ArrayLike, Bool, Float, PRNGKeyArray, Real
 from .._misc import (
     check_parameter_dtype,
     check_positive_int,
+    check_real,
     check_reset,
     check_sequence,
 )
@@ -114,13 +115,11 @@ class Mamba(eqx.Module):
         if dt_rank is None:
             dt_rank = math.ceil(input_size / 16)
         check_positive_int("dt_rank", dt_rank)
-        if not (isinstance(dt_min, float | int) and isinstance(dt_max, float | int)):
+        dt_min = check_real("dt_min", dt_min, positive=True)
+        dt_max = check_real("dt_max", dt_max, positive=True)
+        if not dt_min < dt_max:
             raise ValueError(
-                f"`dt_min` and `dt_max` must be numbers, got {dt_min!r}, {dt_max!r}."
-            )
-        if not 0 < dt_min < dt_max < math.inf:
-            raise ValueError(
-                f"Need 0 < dt_min < dt_max < inf, got dt_min={dt_min}, dt_max={dt_max}."
+                f"Need dt_min < dt_max, got dt_min={dt_min}, dt_max={dt_max}."
             )
         check_scan(scan, name="eqx_seq.Mamba")
         dtype = check_parameter_dtype("Mamba", dtype)
@@ -136,11 +135,9 @@ class Mamba(eqx.Module):
         )
         dt = jnp.exp(log_dt)
         self.dt_bias = dt + jnp.log(-jnp.expm1(-dt))
-        self.A_log = jnp.log(
-            jnp.broadcast_to(jnp.arange(1, state_size + 1), (E, state_size)).astype(
-                dtype
-            )
-        )
+        # S4D-real: A[e, n] = -(n + 1)
+        rates = jnp.arange(1, state_size + 1, dtype=dtype)
+        self.A_log = jnp.log(jnp.broadcast_to(rates, (E, state_size)))
         self.D = jnp.ones(E, dtype)
         self.out_proj = _linear(okey, E, input_size, dtype)
         self.input_size = input_size
