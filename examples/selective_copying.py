@@ -35,7 +35,7 @@ import eqx_seq
 
 
 MIXERS = ("s5", "lru", "rglru", "mamba")
-DEFAULT_MIXERS = "mamba,s5"
+DEFAULT_MIXERS = "mamba,rglru,s5"
 NUM_DATA = 16  # data tokens per sequence (the paper's 16)
 VOCAB = 16  # data symbols (the paper's 16)
 BLANK, MARKER = VOCAB, VOCAB + 1  # ids 0..15 are data; two more ids
