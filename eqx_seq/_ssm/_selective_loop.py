@@ -55,7 +55,7 @@ def _forward(chunk: int, unroll: int, delta, A, u, B, C, keep, h0):
             h = a * h + b
             return h, _put(y, t, jnp.sum(h * _row(C_c, t)[None, :], axis=1))
 
-        y = zeros_like_inputs(u_c.shape, u_c.dtype, h, u_c)
+        y = zeros_like_inputs(u_c.shape, u_c.dtype, h, delta_c, u_c, B_c, C_c)
         h_out, y = lax.fori_loop(0, chunk, step, (h, y), unroll=unroll)
         return h_out, (y, h)
 
@@ -94,7 +94,10 @@ def _bwd(chunk, unroll, residuals, cotangents):
             )
             return a * h + b, _put(previous, t, h)
 
-        empty = jnp.zeros((chunk, *h_start.shape), h_start.dtype)
+        # the buffer varies over the mesh like the inputs (under `jax.shard_map`)
+        empty = zeros_like_inputs(
+            (chunk, *h_start.shape), h_start.dtype, h_start, delta_c, u_c, B_c
+        )
         _, previous = lax.fori_loop(
             0, chunk, recompute, (h_start, empty), unroll=unroll
         )
@@ -117,7 +120,8 @@ def _bwd(chunk, unroll, residuals, cotangents):
             return a * lam, gA, g_delta, g_u, g_B, g_C
 
         outputs = tuple(
-            zeros_like_inputs(x.shape, x.dtype, nu, x) for x in (delta_c, u_c, B_c, C_c)
+            zeros_like_inputs(x.shape, x.dtype, nu, gy_c, h_start, x)
+            for x in (delta_c, u_c, B_c, C_c)
         )
         nu, gA, *grads = lax.fori_loop(
             0, chunk, adjoint, (nu, gA, *outputs), unroll=unroll
