@@ -23,12 +23,13 @@ from .._misc import zeros_like_inputs
 from .._scan import AbstractScan
 
 
-def _chunked(x: Array, chunk: int) -> Array:
+def chunked(x: Array, chunk: int) -> Array:
     """`(T, ...)` with `T = n * chunk` as `(n, chunk, ...)`."""
     return x.reshape(x.shape[0] // chunk, chunk, *x.shape[1:])
 
 
-def _unchunked(x: Array) -> Array:
+def unchunked(x: Array) -> Array:
+    """The inverse of `chunked`."""
     return x.reshape(x.shape[0] * x.shape[1], *x.shape[2:])
 
 
@@ -48,9 +49,9 @@ def _forward(scan: AbstractScan, chunk: int, delta, A, u, B, C, keep, h0):
         y_c = jnp.einsum("ldn,ln->ld", h_c, C_c)
         return h_c[-1], (y_c, h)
 
-    xs = tuple(_chunked(x, chunk) for x in (delta, u, B, C, keep))
+    xs = tuple(chunked(x, chunk) for x in (delta, u, B, C, keep))
     h_last, (y, h_in) = lax.scan(body, h0, xs)
-    return _unchunked(y), h_last, h_in
+    return unchunked(y), h_last, h_in
 
 
 @ft.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
@@ -95,10 +96,10 @@ def _bwd(scan, chunk, residuals, cotangents):
         gA = gA + jnp.einsum("ldn,ld->dn", g_log_a, delta_c)
         return (a[0] * lam[0], gA), (g_delta, g_u, g_B, g_C)
 
-    xs = tuple(_chunked(x, L) for x in (delta, u, B, C, keep, gy)) + (h_in,)
+    xs = tuple(chunked(x, L) for x in (delta, u, B, C, keep, gy)) + (h_in,)
     gA0 = zeros_like_inputs(A.shape, A.dtype, delta, u, B, C, gy, A)
     (g_h0, gA), grads = lax.scan(body, (g_last, gA0), xs, reverse=True)
-    g_delta, g_u, g_B, g_C = (_unchunked(g) for g in grads)
+    g_delta, g_u, g_B, g_C = (unchunked(g) for g in grads)
     return g_delta, gA, g_u, g_B, g_C, jnp.zeros_like(keep), g_h0
 
 

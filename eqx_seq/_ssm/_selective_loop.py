@@ -17,14 +17,7 @@ import jax.numpy as jnp
 from jaxtyping import Array
 
 from .._misc import zeros_like_inputs
-
-
-def _chunked(x: Array, chunk: int) -> Array:
-    return x.reshape(x.shape[0] // chunk, chunk, *x.shape[1:])
-
-
-def _unchunked(x: Array) -> Array:
-    return x.reshape(x.shape[0] * x.shape[1], *x.shape[2:])
+from ._selective_core import chunked, unchunked
 
 
 def _row(x: Array, t) -> Array:
@@ -59,9 +52,9 @@ def _forward(chunk: int, unroll: int, delta, A, u, B, C, keep, h0):
         h_out, y = lax.fori_loop(0, chunk, step, (h, y), unroll=unroll)
         return h_out, (y, h)
 
-    xs = tuple(_chunked(x, chunk) for x in (delta, u, B, C, keep))
+    xs = tuple(chunked(x, chunk) for x in (delta, u, B, C, keep))
     h_last, (y, h_in) = lax.scan(chunk_body, h0, xs)
-    return _unchunked(y), h_last, h_in
+    return unchunked(y), h_last, h_in
 
 
 @ft.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
@@ -128,10 +121,10 @@ def _bwd(chunk, unroll, residuals, cotangents):
         )
         return (nu, gA), tuple(grads)
 
-    xs = tuple(_chunked(x, chunk) for x in (delta, u, B, C, keep, gy)) + (h_in,)
+    xs = tuple(chunked(x, chunk) for x in (delta, u, B, C, keep, gy)) + (h_in,)
     gA0 = zeros_like_inputs(A.shape, A.dtype, delta, u, B, C, gy, A)
     (g_h0, gA), grads = lax.scan(chunk_body, (g_last, gA0), xs, reverse=True)
-    g_delta, g_u, g_B, g_C = (_unchunked(g) for g in grads)
+    g_delta, g_u, g_B, g_C = (unchunked(g) for g in grads)
     return g_delta, gA, g_u, g_B, g_C, jnp.zeros_like(keep), g_h0
 
 
