@@ -11,10 +11,12 @@ from jaxtyping import Array
 
 from .._misc import full_precision
 from .._scan import AbstractScan, check_scan
-from ._parallel import filter_parallel, smooth_parallel
+from ._linalg import _chol
+from ._parallel import filter_parallel
 from ._problem import _all_observed, _Problem, prepare, Whitening
 from ._results import KalmanFilterResult, KalmanSmootherResult
-from ._sequential import filter_recorded, filter_sequential, smooth_sequential
+from ._sequential import filter_exact, filter_sequential
+from ._smoother import smooth_parallel, smooth_sequential
 
 
 if TYPE_CHECKING:
@@ -46,19 +48,29 @@ def by_whitening(
 
 
 def filter_problem(
-    problem: _Problem, scan: AbstractScan, steady_state: bool
+    problem: _Problem, scan: AbstractScan, kf: "KalmanFilter"
 ) -> KalmanFilterResult:
+    """The filter of `problem` with the backend `scan` and `kf`'s private switches
+    (`_steady_state`, `_square_root`)."""
     if scan.parallel:
-        return filter_parallel(problem, scan)
-    return filter_sequential(problem, steady_state=steady_state)
+        return filter_parallel(problem, scan, square_root=kf._square_root)[0]
+    return filter_sequential(
+        problem, steady_state=kf._steady_state, square_root=kf._square_root
+    )
 
 
-def smooth_problem(problem: _Problem, scan: AbstractScan) -> KalmanSmootherResult:
-    """The smoother, which always runs the exact filter."""
+def smooth_problem(
+    problem: _Problem, scan: AbstractScan, square_root: bool
+) -> KalmanSmootherResult:
+    """The smoother, which always runs the exact filter (square-root, unless
+    `square_root` is off), from the filtered means and covariance factors."""
+    model = problem.model
     if scan.parallel:
-        return smooth_parallel(problem.model, filter_parallel(problem, scan), scan)
-    filtered, recorded = filter_recorded(problem)
-    return smooth_sequential(problem.model, filtered, recorded)
+        filtered, factors = filter_parallel(problem, scan, square_root=square_root)
+        return smooth_parallel(model, filtered, factors, scan)
+    filtered, carries = filter_exact(problem, square_root=square_root)
+    factors = carries if square_root else _chol(carries)
+    return smooth_sequential(model, filtered, factors)
 
 
 @full_precision
@@ -69,7 +81,7 @@ def filter_(
 
     def work(whitening):
         problem = prepare(kf, ys, us, whitening)
-        return filter_problem(problem, scan, kf._steady_state)
+        return filter_problem(problem, scan, kf)
 
     return by_whitening(ys, scan, work)
 
@@ -80,5 +92,9 @@ def smooth(
 ) -> KalmanSmootherResult:
     """The smoother of `kf` on `ys` and `us` (checked) with the backend `scan`."""
     return by_whitening(
-        ys, scan, lambda whitening: smooth_problem(prepare(kf, ys, us, whitening), scan)
+        ys,
+        scan,
+        lambda whitening: smooth_problem(
+            prepare(kf, ys, us, whitening), scan, kf._square_root
+        ),
     )

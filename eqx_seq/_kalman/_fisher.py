@@ -94,18 +94,23 @@ def _expected_log_joint(problem: _Problem, stats) -> Array:
     return ll - 0.5 * (num_obs * _LOG_2PI + quad) - jnp.sum(problem.logdet)
 
 
-def _steady_log_likelihood(problem: _Problem) -> tuple[Array, Array]:
+def _steady_log_likelihood(
+    problem: _Problem, square_root: bool = True
+) -> tuple[Array, Array]:
     """The log-likelihood through the steady-state filter, and whether its
     covariance settled (if not, the value is not the log-likelihood)."""
-    result, settled = filter_steady(problem, exact_fallback=False)
+    result, settled = filter_steady(
+        problem, square_root=square_root, exact_fallback=False
+    )
     return result.log_likelihood, settled
 
 
-def _value_and_cotangent(problem: _Problem, scan: AbstractScan, steady_state: bool):
+def _value_and_cotangent(problem: _Problem, scan: AbstractScan, kf: "KalmanFilter"):
     """The log-likelihood and its gradient with respect to `problem`."""
+    steady_state, square_root = kf._steady_state, kf._square_root
 
     def fisher():
-        sm = smooth_problem(problem, scan)
+        sm = smooth_problem(problem, scan, square_root)
         stats = (sm.means, sm.covs, sm.cross_covs)
         grad = eqx.filter_grad(_expected_log_joint)(problem, stats)
         return sm.filtered.log_likelihood, grad
@@ -118,7 +123,7 @@ def _value_and_cotangent(problem: _Problem, scan: AbstractScan, steady_state: bo
     # `vmap` over sequences); else Fisher's identity
     (value, settled), grad = eqx.filter_value_and_grad(
         _steady_log_likelihood, has_aux=True
-    )(problem)
+    )(problem, square_root)
     return lax.cond(settled, lambda: (value, grad), fisher)
 
 
@@ -156,7 +161,7 @@ def fisher_log_likelihood(
                 ys,
                 us,
             )
-            value, cotangent = _value_and_cotangent(problem, scan, kf._steady_state)
+            value, cotangent = _value_and_cotangent(problem, scan, kf)
             return value, pullback(cotangent)
 
         value, grads = by_whitening(ys, scan, value_and_grads)

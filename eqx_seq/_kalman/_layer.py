@@ -71,6 +71,8 @@ class KalmanFilter(eqx.Module):
     num_steps: int | None = eqx.field(static=True)
     # False: every step of the sequential filter exact (for comparisons)
     _steady_state: bool = eqx.field(static=True, repr=False)
+    # False: the filters in covariance form (for comparisons)
+    _square_root: bool = eqx.field(static=True, repr=False)
 
     def __init__(
         self,
@@ -83,6 +85,7 @@ class KalmanFilter(eqx.Module):
         key: PRNGKeyArray,
         _parameters: _Parameters | None = None,
         _steady_state: bool = True,
+        _square_root: bool = True,
     ):
         """**Arguments:**
 
@@ -121,6 +124,7 @@ class KalmanFilter(eqx.Module):
         self.scan = scan
         self.state_size, self.obs_size, self.control_size = n, p, c
         self._steady_state = _steady_state
+        self._square_root = _square_root
 
     @classmethod
     def from_matrices(

@@ -1,23 +1,29 @@
-"""The parallel filter and smoother of Särkkä & García-Fernández, "Temporal
-Parallelization of Bayesian Smoothers", IEEE TAC 2021: per-step elements combined by
-the backend's `associative_scan`. The log-likelihood comes from the filtered states
-after the scan, never from inside the scan element, which cancels catastrophically
-when the state drifts far from zero (`docs/devdocs/kalman.md`, "Parallel filter").
+"""The parallel filter of Särkkä & García-Fernández, "Temporal Parallelization of
+Bayesian Smoothers", IEEE TAC 2021: per-step elements combined by the backend's
+`associative_scan`, in the square-root form of Yaghoobi, Corenflos, Hassan & Särkkä
+(SIAM J. Sci. Comput. 2025, arXiv:2207.00426), or in covariance form behind the
+layer's private `_square_root` (for comparisons). The log-likelihood comes from the
+filtered states after the scan, never from inside the scan element, which cancels
+catastrophically when the state drifts far from zero (`docs/devdocs/kalman.md`,
+"Parallel filter").
 """
 
 import jax
 import jax.numpy as jnp
 import jax.scipy.linalg as jsl
+from jaxtyping import Array
 
 from .._scan import AbstractScan
-from ._linalg import _cho_solve, _chol, _gram, _sym
-from ._problem import _Model, _per_step, _Problem
-from ._results import _filter_result, KalmanFilterResult, KalmanSmootherResult
-from ._step import _predict, _update
+from ._linalg import _cho_solve, _chol, _gram, _mT, _sym, tria, tria_gram, tril_inverse
+from ._problem import _per_step, _Problem
+from ._results import _filter_result, KalmanFilterResult
+from ._sqrt import sqrt_update, whitened_log_density
+from ._step import _predict, _predicted_covs, _update
 
 
-def _filter_elements(problem: _Problem):
-    """Särkkä & García-Fernández filtering elements `(A, b, C, eta, J)`, all steps.
+def _cov_elements(problem: _Problem):
+    """Särkkä & García-Fernández filtering elements `(A, b, C, eta, J)`, all steps
+    (covariance form).
 
     Element `t` is `p(x_t | x_{t-1}, y_t) = N(A x_{t-1} + b, C)` together with the
     information `(eta, J)` that `y_t` carries about `x_{t-1}`; element 1 has the
@@ -61,7 +67,7 @@ def _filter_elements(problem: _Problem):
     return jax.vmap(element)(F, mu, Sigma, Hw, yw)
 
 
-def _combine_filter(earlier, later):
+def _cov_combine(earlier, later):
     """`p(x_k | x_i, y_{i+1..k})` from the elements over `(i, j]` and `(j, k]`.
 
     The paper's `(I + C_i J_j)^{-1}` is applied through Cholesky factors only:
@@ -90,8 +96,137 @@ def _combine_filter(earlier, later):
     return A, b, C, eta, J
 
 
-def _predictions(model: _Model, c, ms, Ps):
-    """One-step predictions of every step from the filtered moments of the previous."""
+
+
+
+
+def _first_step(problem: _Problem):
+    """Every step's `F`, `mu` (the control's `B u`) and the factor of the noise
+    covariance `Sigma` given `x_{t-1}`; step 1 with the prior folded in (no
+    dependence on `x_0`: `F = 0`, and its prediction from the prior)."""
+    model, c = problem.model, problem.c
+    T = problem.num_steps
+    n = model.m0.shape[0]
+    F = jnp.broadcast_to(model.F, (T, n, n))
+    L_Q = jnp.broadcast_to(model.L_Q, (T, n, n))
+    mu = jnp.zeros((T, n), F.dtype) if c is None else c
+    mu = mu.at[0].set(F[0] @ model.m0 + mu[0])
+    L_pred0 = tria(jnp.concatenate([F[0] @ model.L_P0, L_Q[0]], axis=1))
+    return F.at[0].set(0), mu, L_Q.at[0].set(L_pred0)
+
+
+def _sqrt_elements(problem: _Problem):
+    """The filtering elements `(A, b, U, eta, Z)` of every step, `C = U U^T`,
+    `J = Z Z^T`; `Z` is `n x n` (zero columns added, or compressed by `tria_gram`).
+
+    With the factor `L` of `Sigma`, the triangularisation of `[[Hw L, I], [L, 0]]`
+    is `[[S^{1/2}, 0], [Sigma Hw^T S^{-T/2}, U]]`: the gain `K = Sigma Hw^T S^{-1}`
+    and `C = Sigma - K S K^T` without cancellation; `Z = F^T Hw^T S^{-T/2}`.
+    """
+    F, mu, L_Sigma = _first_step(problem)
+    p = problem.yw.shape[1]
+    n = F.shape[-1]
+
+    def element(F, mu, L, Hw, y):
+        X = tria(
+            jnp.concatenate(
+                [
+                    jnp.concatenate([Hw @ L, jnp.eye(p, dtype=L.dtype)], axis=1),
+                    jnp.concatenate([L, jnp.zeros((n, p), L.dtype)], axis=1),
+                ]
+            )
+        )
+        S_inv_half = tril_inverse(X[:p, :p])  # S^{-1/2}
+        K = X[p:, :p] @ S_inv_half
+        HF = Hw @ F
+        v = y - Hw @ mu
+        Z = HF.T @ S_inv_half.T
+        eta = Z @ (S_inv_half @ v)
+        if p < n:
+            Z = jnp.concatenate([Z, jnp.zeros((n, n - p), Z.dtype)], axis=1)
+        elif p > n:
+            Z = tria_gram(Z)
+        return F - K @ HF, mu + K @ v, X[p:, p:], eta, Z
+
+    return jax.vmap(element)(F, mu, L_Sigma, problem.Hw, problem.yw)
+
+
+def _sqrt_combine(earlier, later):
+    """`p(x_k | x_i, y_{i+1..k})` from the elements over `(i, j]` and `(j, k]`.
+
+    With `B = U_i^T Z_j`, `Xi = tria([B, I])` (`Xi Xi^T = I + U_i^T J_j U_i`) and
+    `V = U_i Xi^{-T}`: `(I + C_i J_j)^{-1} = I - V V^T J_j` and
+    `(I + C_i J_j)^{-1} C_i = V V^T`, so `C = A_j V V^T A_j^T + C_j` is
+    `tria([A_j V, U_j])`; with `G = tria([I, B^T])` (`G G^T = I + Z_j^T C_i Z_j`),
+    `J_j (I + C_i J_j)^{-1} = Z_j G^{-T} G^{-1} Z_j^T`, so `J` is
+    `tria_gram([A_i^T Z_j G^{-T}, Z_i])` (rank deficient while `y_{i+1..k}` do not
+    determine `x_i`). The mean is updated in innovation form,
+    `b_i + V V^T (eta_j - J_j b_i)`, which stays accurate where `(I + C_i J_j)^{-1}`
+    is small (a precise observation after a vague state).
+    """
+    A_i, b_i, U_i, eta_i, Z_i = earlier
+    A_j, b_j, U_j, eta_j, Z_j = later
+    n = b_i.shape[-1]
+    eye = jnp.eye(n, dtype=b_i.dtype)
+    B = U_i.T @ Z_j
+    V = U_i @ _mT(tril_inverse(tria(jnp.concatenate([B, eye], axis=1))))
+    G_inv = tril_inverse(tria(jnp.concatenate([eye, B.T], axis=1)))
+    r = eta_j - Z_j @ (Z_j.T @ b_i)  # eta_j - J_j b_i
+    Vr = V @ (V.T @ r)
+    b = A_j @ (b_i + Vr) + b_j
+    A = A_j @ (A_i - V @ ((V.T @ Z_j) @ (Z_j.T @ A_i)))
+    U = tria(jnp.concatenate([A_j @ V, U_j], axis=1))
+    eta = A_i.T @ (r - Z_j @ (Z_j.T @ Vr)) + eta_i
+    Z = tria_gram(jnp.concatenate([A_i.T @ Z_j @ G_inv.T, Z_i], axis=1))
+    return A, b, U, eta, Z
+
+
+def _log_likelihoods(problem: _Problem, ms, Ls):
+    """Every step's predicted mean and log-density from the previous step's
+    filtered mean and factor, batched (the module docstring)."""
+    model, c = problem.model, problem.c
+    m_prev = jnp.concatenate([model.m0[None], ms[:-1]])
+    L_prev = jnp.concatenate([model.L_P0[None], Ls[:-1]])
+    F_ax = 0 if _per_step(model.F, 2) else None
+    Q_ax = 0 if _per_step(model.L_Q, 2) else None
+
+    def step(m, L, F, L_Q, c, Hw, y, obs):
+        m_pred = F @ m if c is None else F @ m + c
+        _, _, nu, log_s = sqrt_update(m_pred, F @ L, L_Q, Hw, y)
+        return m_pred, whitened_log_density(nu, log_s, obs)
+
+    in_axes = (0, 0, F_ax, Q_ax, None if c is None else 0, 0, 0, 0)
+    return jax.vmap(step, in_axes=in_axes)(
+        m_prev, L_prev, model.F, model.L_Q, c, problem.Hw, problem.yw, problem.obs
+    )
+
+
+def filter_parallel(
+    problem: _Problem, scan: AbstractScan, *, square_root: bool = True
+) -> tuple[KalmanFilterResult, Array]:
+    """The filter as `scan.associative_scan` over the elements, and the filtered
+    covariances' factors (for the smoother)."""
+    model = problem.model
+    if square_root:
+        elements = _sqrt_elements(problem)
+        _, ms, Ls, _, _ = scan.associative_scan(jax.vmap(_sqrt_combine), elements)
+        # the log-likelihood from the filtered states, after the scan (module doc)
+        mps, lls = _log_likelihoods(problem, ms, Ls)
+        Ps = _sym(Ls @ _mT(Ls))
+        Pps = _predicted_covs(model, Ps)
+    else:
+        elements = _cov_elements(problem)
+        _, ms, Ps, _, _ = scan.associative_scan(jax.vmap(_cov_combine), elements)
+        mps, Pps = _predictions(problem, ms, Ps)
+        _, _, lls, _ = jax.vmap(_update)(mps, Pps, problem.yw, problem.Hw, problem.obs)
+        Ls = _chol(Ps)
+    return _filter_result(ms, Ps, mps, Pps, lls, problem.logdet), Ls
+
+
+def _predictions(problem: _Problem, ms, Ps):
+    """One-step predictions of every step from the filtered moments of the previous
+    (covariance form)."""
+    model, c = problem.model, problem.c
     m_prev = jnp.concatenate([model.m0[None], ms[:-1]])
     P_prev = jnp.concatenate([_gram(model.L_P0)[None], Ps[:-1]])
     F_ax = 0 if _per_step(model.F, 2) else None
@@ -100,58 +235,3 @@ def _predictions(model: _Model, c, ms, Ps):
     return jax.vmap(_predict, in_axes=(0, 0, F_ax, Q_ax, c_ax))(
         m_prev, P_prev, model.F, model.L_Q, c
     )
-
-
-def filter_parallel(problem: _Problem, scan: AbstractScan) -> KalmanFilterResult:
-    """The filter as `scan.associative_scan` over the elements."""
-    elements = _filter_elements(problem)
-    _, ms, Ps, _, _ = scan.associative_scan(jax.vmap(_combine_filter), elements)
-    # the log-likelihood from the filtered states, after the scan (module docstring)
-    mps, Pps = _predictions(problem.model, problem.c, ms, Ps)
-    _, _, lls, _ = jax.vmap(_update)(mps, Pps, problem.yw, problem.Hw, problem.obs)
-    return _filter_result(ms, Ps, mps, Pps, lls, problem.logdet)
-
-
-def _smoother_elements(model: _Model, filtered: KalmanFilterResult):
-    """RTS elements `(E_t, g_t, L_t)`: `p(x_t | x_{t+1}, y_1..y_t) = N(E x + g, L)`."""
-    ms, Ps = filtered.means, filtered.covs
-    F_next = model.F[1:] if _per_step(model.F, 2) else model.F
-    F_ax = 0 if _per_step(model.F, 2) else None
-
-    def element(m, P, m_pred_next, P_pred_next, F):
-        FP = F @ P
-        Et = _cho_solve(_chol(P_pred_next), FP)  # E^T = P_pred^{-1} F P
-        g = m - Et.T @ m_pred_next
-        L = _sym(P - Et.T @ FP)
-        return Et.T, g, L
-
-    E, g, L = jax.vmap(element, in_axes=(0, 0, 0, 0, F_ax))(
-        ms[:-1],
-        Ps[:-1],
-        filtered.predicted_means[1:],
-        filtered.predicted_covs[1:],
-        F_next,
-    )
-    E = jnp.concatenate([E, jnp.zeros((1, *E.shape[1:]), E.dtype)])  # T = 1: E empty
-    g = jnp.concatenate([g, ms[-1:]])
-    L = jnp.concatenate([L, Ps[-1:]])
-    return E, g, L
-
-
-def _combine_smoother(later, earlier):
-    # a reverse associative scan passes the element later in time first
-    E_l, g_l, L_l = later
-    E_e, g_e, L_e = earlier
-    return E_e @ E_l, E_e @ g_l + g_e, _sym(E_e @ L_l @ E_e.T + L_e)
-
-
-def smooth_parallel(
-    model: _Model, filtered: KalmanFilterResult, scan: AbstractScan
-) -> KalmanSmootherResult:
-    """The RTS smoother as `scan.associative_scan` over the elements `(E, g, L)`."""
-    E, g, L = _smoother_elements(model, filtered)
-    _, ms, Ps = scan.associative_scan(
-        jax.vmap(_combine_smoother), (E, g, L), reverse=True
-    )
-    cross = E[:-1] @ Ps[1:]
-    return KalmanSmootherResult(ms, Ps, cross, filtered)

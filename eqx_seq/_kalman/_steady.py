@@ -8,6 +8,8 @@ product, innovations and log-likelihoods are batched, the covariances are the fi
 ones. See `docs/devdocs/kalman.md`, "Steady state".
 """
 
+import functools as ft
+
 import equinox as eqx
 import jax
 import jax.lax as lax
@@ -15,10 +17,17 @@ import jax.numpy as jnp
 from jaxtyping import Array
 
 from .._misc import full_precision
-from ._linalg import _gram, _LOG_2PI, _mv
+from ._linalg import _gram, _LOG_2PI, _mv, _sym
 from ._problem import _Model, _per_step, _Problem
 from ._results import _filter_result, KalmanFilterResult
-from ._step import _predict, _sequential_step, _update
+from ._step import (
+    _covariances,
+    _initial,
+    _innovations,
+    _predict_cov,
+    _predicted_covs,
+    _sequential_step,
+)
 
 
 def _head_steps(dtype) -> int:
@@ -53,8 +62,8 @@ def _head(step, init, xs, dtype):
 
 class _Settled(eqx.Module):
     """The filter's update once its covariance has settled, as an affine map:
-    `m_filt = M m_pred + G y` with innovations `e = E_m m_pred + E_y y` of
-    variances `s` (for whitened `y`), and the fixed covariances."""
+    `m_filt = M m_pred + G y` with whitened innovations `nu = E_m m_pred + E_y y`
+    of log-variances `log_s` (for whitened `y`), and the fixed covariances."""
 
     P_pred: Array
     P_filt: Array
@@ -62,35 +71,36 @@ class _Settled(eqx.Module):
     G: Array
     E_m: Array
     E_y: Array
-    s: Array
+    log_s: Array
     ok: Array
 
 
-def _settle(model: _Model, m: Array, P: Array, Hw: Array) -> _Settled:
-    """One more exact covariance step from the filtered `P` at step `K`, the update
-    at its predicted covariance as an affine map, and whether `P` has settled.
+def _settle(model: _Model, m: Array, S: Array, Hw: Array, square_root: bool):
+    """One more exact step from the filtered factor (covariance) `S` at step `K`,
+    the update after it as an affine map, and whether the covariance has settled.
 
-    The affine map is the Jacobian of `_update` itself (which is affine in the mean
-    and the observation for a fixed covariance), so the steady-state steps compute
-    what the exact steps compute. Settled: near the fixed point the change
-    `D = P_{K+1} - P_K` propagates as `A D A^T` with the closed-loop matrix
+    The affine map is the Jacobian of the step's own update (`_innovations`, affine
+    in the mean and the observation for a fixed covariance), so the steady-state
+    steps compute what the exact steps compute. Settled: near the fixed point the
+    change `D = P_{K+1} - P_K` propagates as `A D A^T` with the closed-loop matrix
     `A = M F`, so the distance of `P_{K+1}` from the fixed point is about
     `sum_{j >= 1} A^j D A^jT` (summed by doubling to `j = 256`, which also checks
     that `A` contracts); `ok` when that is within `_SETTLED_ULPS` units of
     round-off of `P_{K+1}`.
     """
     n, p = Hw.shape[1], Hw.shape[0]
-    dtype = P.dtype
-    _, P_pred = _predict(m, P, model.F, model.L_Q, None)
-    obs = jnp.ones((p,), bool)
+    dtype = S.dtype
+    update = ft.partial(_innovations, square_root)
 
-    def affine(m, y):
-        m, _, _, (_, es, _) = _update(m, P_pred, y, Hw, obs)
-        return m, es
+    def affine(m_pred, y):
+        m_f, _, nu, _ = update(m_pred, S, model.F, model.L_Q, Hw, y)
+        return m_f, nu
 
     zeros = (jnp.zeros((n,), dtype), jnp.zeros((p,), dtype))
     (M, G), (E_m, E_y) = jax.jacfwd(affine, argnums=(0, 1))(*zeros)
-    _, P_filt, _, (_, _, s) = _update(*zeros[:1], P_pred, zeros[1], Hw, obs)
+    _, S_filt, _, log_s = update(zeros[0], S, model.F, model.L_Q, Hw, zeros[1])
+    P, P_filt = _gram(S) if square_root else S, _gram(S_filt) if square_root else S_filt
+    P_filt = _sym(P_filt)
     A = M @ model.F
     D = A @ (P_filt - P) @ A.T
     for _ in range(8):
@@ -99,7 +109,8 @@ def _settle(model: _Model, m: Array, P: Array, Hw: Array) -> _Settled:
     eps = jnp.finfo(dtype).eps
     norm = lambda X: jnp.sqrt(jnp.sum(X * X))
     ok = (norm(D) <= _SETTLED_ULPS * eps * norm(P_filt)) & (norm(A) < 0.5)
-    return _Settled(P_pred, P_filt, M, G, E_m, E_y, s, ok)
+    P_pred = _predict_cov(P, model.F, model.L_Q)
+    return _Settled(P_pred, P_filt, M, G, E_m, E_y, log_s, ok)
 
 
 def _affine_scan(A: Array, z: Array, m: Array) -> Array:
@@ -142,9 +153,9 @@ def _steady_tail(model: _Model, st: _Settled, m: Array, xs) -> tuple:
     mps = jnp.concatenate([m[None], ms[:-1]]) @ model.F.T
     if c is not None:
         mps = mps + c
-    es = mps @ st.E_m.T + y @ st.E_y.T
-    s = st.s[None, :]
-    lls = jnp.sum(-0.5 * (_LOG_2PI + jnp.log(s) + es * es / s), axis=-1)
+    nus = mps @ st.E_m.T + y @ st.E_y.T
+    log_s = st.log_s[None, :]
+    lls = jnp.sum(-0.5 * (_LOG_2PI + log_s + nus * nus), axis=-1)
     T = y.shape[0]
     Ps = jnp.broadcast_to(st.P_filt, (T, *st.P_filt.shape))
     Pps = jnp.broadcast_to(st.P_pred, (T, *st.P_pred.shape))
@@ -152,7 +163,7 @@ def _steady_tail(model: _Model, st: _Settled, m: Array, xs) -> tuple:
 
 
 def filter_steady(
-    problem: _Problem, *, exact_fallback: bool = True
+    problem: _Problem, *, square_root: bool, exact_fallback: bool = True
 ) -> tuple[KalmanFilterResult, Array]:
     """The filter of a problem that `_may_settle`, and whether its covariance settled.
 
@@ -161,13 +172,21 @@ def filter_steady(
     runs the steady-state tail in any case, and uses the result only if settled.
     """
     model = problem.model
-    steps, xs, Hw = _sequential_step(problem, complete=True)
-    init = (model.m0, _gram(model.L_P0))
-    head, (m, P), tail_xs = _head(steps["head"], init, xs, problem.yw.dtype)
-    settled = _settle(model, m, P, Hw)
+    steps, xs, Hw = _sequential_step(problem, square_root=square_root, complete=True)
+    init = (model.m0, _initial(model, square_root))
+    head, (m, S), tail_xs = _head(steps[False], init, xs, problem.yw.dtype)
+    head_covs = _covariances(head[1], square_root)
+    head = (head[0], head_covs, head[2], _predicted_covs(model, head_covs), head[3])
+    settled = _settle(model, m, S, Hw, square_root)
     steady = lambda: _steady_tail(model, settled, m, tail_xs)
     if exact_fallback:
-        exact = lambda: lax.scan(steps[False], (m, P), tail_xs)[1]
+
+        def exact():
+            ms, Ss, mps, lls = lax.scan(steps[True], (m, S), tail_xs)[1]
+            covs = _covariances(Ss, square_root)
+            prev = jnp.concatenate([head_covs[-1:], covs[:-1]])
+            return ms, covs, mps, _predicted_covs(model, covs, prev), lls
+
         tail = lax.cond(settled.ok, steady, exact)
     else:
         tail = steady()

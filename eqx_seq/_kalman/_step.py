@@ -1,24 +1,40 @@
-"""One filter step: predict, then condition on the whitened observations one scalar
-at a time (Koopman & Durbin, J. Time Series Analysis 2000), so that the update needs
-no matrix solve; and the sequential filter's loop body built from them."""
+"""One filter step, and the sequential filter's loop body built from it.
 
-import functools as ft
+The step is the square-root one (`_sqrt`) unless the layer's private
+`_square_root` is off; then it is the covariance form kept for comparisons: predict,
+then condition on the whitened observations one scalar at a time (Koopman & Durbin,
+J. Time Series Analysis 2000), so that the update needs no matrix solve.
+"""
 
 import jax
 import jax.numpy as jnp
 from jaxtyping import Array
 
 from .._misc import full_precision
-from ._linalg import _LOG_2PI, _mm, _mv, _sandwich, _sym, tril_inverse_by_rows
-from ._problem import _per_step, _Problem
+from ._linalg import (
+    _bmm,
+    _gram,
+    _LOG_2PI,
+    _mm,
+    _mT,
+    _mv,
+    _sandwich,
+    _sym,
+    tril_inverse_by_rows,
+)
+from ._problem import _Model, _per_step, _Problem
+from ._sqrt import sqrt_update, whitened_log_density
+
+
+def _predict_cov(P: Array, F: Array, L_Q: Array) -> Array:
+    return _sym(_sandwich(F, P) + _mm(L_Q, L_Q.T))
 
 
 def _predict(m: Array, P: Array, F: Array, L_Q: Array, c: Array | None):
     m = _mv(F, m)
     if c is not None:
         m = m + c
-    P = _sym(_sandwich(F, P) + _mm(L_Q, L_Q.T))
-    return m, P
+    return m, _predict_cov(P, F, L_Q)
 
 
 def _update(m: Array, P: Array, y: Array, Hw: Array, obs: Array):
@@ -88,11 +104,50 @@ def _complete_update_jvp(primals, tangents):
     return (m_f, P_f, ll), (dm_f, dP_f, dll)
 
 
-def _sequential_step(problem: _Problem, complete: bool = False):
-    """The filter's loop body and its inputs: `(steps, xs, Hw_const)`, with
-    `steps[record]` for long scans and `steps["head"]` for the steady state's exact
-    head; with `complete` (every entry observed), the steps without `record` update
-    by `_complete_update`."""
+def _innovations(
+    square_root: bool, m_pred: Array, S: Array, F: Array, L_Q: Array, Hw: Array, y
+):
+    """The update after `S` (the previous filtered factor, or covariance): the
+    filtered mean and factor (covariance), the whitened innovations and the log
+    innovation variances. For a fixed `S` the mean and the innovations are affine
+    in `m_pred` and `y` (what the steady state uses)."""
+    if square_root:
+        return sqrt_update(m_pred, _mm(F, S), L_Q, Hw, y)
+    obs = jnp.ones(y.shape, bool)
+    m, P, _, (_, es, ss) = _update(m_pred, _predict_cov(S, F, L_Q), y, Hw, obs)
+    return m, P, es / jnp.sqrt(ss), jnp.log(ss)
+
+
+def _initial(model: _Model, square_root: bool) -> Array:
+    """The carry's factor (covariance) of `x_0`."""
+    return model.L_P0 if square_root else _gram(model.L_P0)
+
+
+def _covariances(S: Array, square_root: bool) -> Array:
+    """Covariances from the carries, batched over the steps."""
+    return _sym(_bmm(S, _mT(S))) if square_root else S
+
+
+def _predicted_covs(model: _Model, covs: Array, prev: Array | None = None) -> Array:
+    """The one-step predicted covariances of every step from the filtered ones of
+    the previous (`prev`, default `P0` then `covs`), batched over the steps
+    (additions only: no cancellation)."""
+    if prev is None:
+        prev = jnp.concatenate([_gram(model.L_P0)[None], covs[:-1]])
+    F_ax = 0 if _per_step(model.F, 2) else None
+    Q_ax = 0 if _per_step(model.L_Q, 2) else None
+    return jax.vmap(_predict_cov, in_axes=(0, F_ax, Q_ax))(prev, model.F, model.L_Q)
+
+
+def _sequential_step(problem: _Problem, *, square_root: bool, complete: bool = False):
+    """The filter's loop body and its inputs: `(steps, xs, Hw_const)`.
+
+    The body maps the carry `(m, S)` (mean and factor, or covariance, of the
+    filtered state) to the next, and outputs `(m, S, m_pred, ll)`; `steps[True]`
+    is rematerialised in the backward pass, `steps[False]` stores its
+    intermediates (the steady state's few exact steps). With `complete` (every
+    entry observed) the covariance form updates by `_complete_update`.
+    """
     model, W = problem.model, problem.W
     F_v, Q_v, H_v, W_v = (
         _per_step(model.F, 2),
@@ -101,6 +156,7 @@ def _sequential_step(problem: _Problem, complete: bool = False):
         _per_step(W, 2),
     )
     Hw_const = None if (H_v or W_v) else W @ model.H
+    HwLQ = None if (Hw_const is None or Q_v) else _mm(Hw_const, model.L_Q)
     xs = {"y": problem.yw, "obs": problem.obs}
     if F_v:
         xs["F"] = model.F
@@ -113,26 +169,30 @@ def _sequential_step(problem: _Problem, complete: bool = False):
     if problem.c is not None:
         xs["c"] = problem.c
 
-    def step(carry, x, record=False):
-        m, P = carry
+    def step(carry, x):
+        m, S = carry
         F = x["F"] if F_v else model.F
         L_Q = x["L_Q"] if Q_v else model.L_Q
-        m_pred, P_pred = _predict(m, P, F, L_Q, x.get("c"))
+        m_pred = _mv(F, m)
+        if "c" in x:
+            m_pred = m_pred + x["c"]
         if Hw_const is None:
             Hw = _mm(x["W"] if W_v else W, x["H"] if H_v else model.H)
         else:
             Hw = Hw_const
-        if complete and not record:
-            m, P, ll = _complete_update(m_pred, P_pred, x["y"], Hw)
-            rec = None
+        if square_root:
+            m, S, nu, log_s = sqrt_update(m_pred, _mm(F, S), L_Q, Hw, x["y"], HwLQ)
+            ll = whitened_log_density(nu, log_s, x["obs"])
+        elif complete:
+            m, S, ll = _complete_update(m_pred, _predict_cov(S, F, L_Q), x["y"], Hw)
         else:
-            m, P, ll, rec = _update(m_pred, P_pred, x["y"], Hw, x["obs"])
-        out = (m, P, m_pred, P_pred, ll)
-        return (m, P), (out, rec) if record else out
+            m, S, ll, _ = _update(
+                m_pred, _predict_cov(S, F, L_Q), x["y"], Hw, x["obs"]
+            )
+        return (m, S), (m, S, m_pred, ll)
 
     # over all steps, rematerialised in the backward pass: storing every
-    # intermediate of the unrolled scalar updates made reverse mode slower; the
-    # steady state's few exact steps (`_steady._head`) store theirs, which is faster
-    steps = {r: jax.checkpoint(ft.partial(step, record=r)) for r in (False, True)}
-    steps["head"] = step
+    # intermediate of the unrolled updates made reverse mode slower; the steady
+    # state's few exact steps (`_steady._head`) store theirs, which is faster
+    steps = {True: jax.checkpoint(step), False: step}
     return steps, xs, Hw_const

@@ -1,0 +1,96 @@
+"""The Rauch-Tung-Striebel smoother of both backends, from the filter's means and
+covariance factors: per-step backward elements in square-root form, combined by a
+loop (sequential backend) or an associative scan (parallel backend)."""
+
+import jax
+import jax.lax as lax
+import jax.numpy as jnp
+from jaxtyping import Array
+
+from .._scan import AbstractScan
+from ._linalg import _bmm, _mT, _mv, _sandwich, _sym, tria, tril_inverse
+from ._problem import _Model, _per_step
+from ._results import KalmanFilterResult, KalmanSmootherResult
+
+
+def _element(m: Array, L: Array, m_pred_next: Array, F: Array, L_Q: Array):
+    """`p(x_t | x_{t+1}, y_1..y_t) = N(E x_{t+1} + g, C)` from the filtered mean `m`
+    and factor `L` of step `t`.
+
+    The triangularisation of `[[F L, L_Q], [L, 0]]` is `[[L_pred, 0], [X, Lam]]`
+    with `L_pred` the factor of the predicted covariance `P_pred`, `X = P F^T
+    L_pred^{-T}` and `Lam Lam^T = P - P F^T P_pred^{-1} F P = C`: the gain
+    `E = X L_pred^{-1}` and `C` come without the cancellation of `P - E P_pred E^T`
+    (Park & Kailath's square-root smoother).
+    """
+    n = m.shape[0]
+    A = jnp.concatenate(
+        [
+            jnp.concatenate([F @ L, L_Q], axis=1),
+            jnp.concatenate([L, jnp.zeros_like(L)], axis=1),
+        ]
+    )
+    X = tria(A)
+    E = X[n:, :n] @ tril_inverse(X[:n, :n])
+    Lam = X[n:, n:]
+    return E, m - E @ m_pred_next, _sym(Lam @ Lam.T)
+
+
+def smoother_elements(model: _Model, filtered: KalmanFilterResult, factors: Array):
+    """The elements `(E_t, g_t, C_t)` of every step, batched over the steps; the
+    last is `(0, m_T, P_T)`."""
+    ms = filtered.means
+    F_v, Q_v = _per_step(model.F, 2), _per_step(model.L_Q, 2)
+    E, g, C = jax.vmap(_element, in_axes=(0, 0, 0, 0 if F_v else None, 0 if Q_v else None))(
+        ms[:-1],
+        factors[:-1],
+        filtered.predicted_means[1:],
+        model.F[1:] if F_v else model.F,
+        model.L_Q[1:] if Q_v else model.L_Q,
+    )
+    E = jnp.concatenate([E, jnp.zeros((1, *E.shape[1:]), E.dtype)])  # T = 1: E empty
+    g = jnp.concatenate([g, ms[-1:]])
+    C = jnp.concatenate([C, filtered.covs[-1:]])
+    return E, g, C
+
+
+def _smoothed(filtered, E, ms, Ps) -> KalmanSmootherResult:
+    # Cov[x_t, x_{t+1} | y] = E_t Cov[x_{t+1} | y]
+    return KalmanSmootherResult(ms, Ps, _bmm(E[:-1], Ps[1:]), filtered)
+
+
+def smooth_sequential(
+    model: _Model, filtered: KalmanFilterResult, factors: Array
+) -> KalmanSmootherResult:
+    """Backwards in a loop: `m_t = E_t m_{t+1} + g_t`, `P_t = E_t P_{t+1} E_t^T + C_t`
+    (a sum of positive semi-definite terms), two small products per step."""
+    E, g, C = smoother_elements(model, filtered, factors)
+
+    def step(carry, x):
+        m, P = carry
+        E, g, C = x
+        m, P = _mv(E, m) + g, _sym(_sandwich(E, P) + C)
+        return (m, P), (m, P)
+
+    init = (filtered.means[-1], filtered.covs[-1])
+    _, (ms, Ps) = lax.scan(step, init, (E[:-1], g[:-1], C[:-1]), reverse=True)
+    ms = jnp.concatenate([ms, init[0][None]])
+    Ps = jnp.concatenate([Ps, init[1][None]])
+    return _smoothed(filtered, E, ms, Ps)
+
+
+def _combine(later, earlier):
+    # a reverse associative scan passes the element later in time first
+    E_l, g_l, C_l = later
+    E_e, g_e, C_e = earlier
+    return E_e @ E_l, E_e @ g_l + g_e, _sym(E_e @ C_l @ _mT(E_e) + C_e)
+
+
+def smooth_parallel(
+    model: _Model, filtered: KalmanFilterResult, factors: Array, scan: AbstractScan
+) -> KalmanSmootherResult:
+    """The same elements as a reverse associative scan (Särkkä & García-Fernández,
+    IEEE TAC 2021)."""
+    E, g, C = smoother_elements(model, filtered, factors)
+    _, ms, Ps = scan.associative_scan(jax.vmap(_combine), (E, g, C), reverse=True)
+    return _smoothed(filtered, E, ms, Ps)
