@@ -237,64 +237,47 @@ def _gram_schmidt(A: Array) -> tuple[Array, Array]:
     """`(L, Q)` with `A = L Q^T`: `L` lower triangular with a non-negative diagonal,
     the columns of `Q` the orthonormalised rows of `A`, by modified Gram-Schmidt.
 
-    Row `i` is normalised, then projected out of the rows below, every row one
-    vector over the batch and the columns: two fused loops per row (a reduction and
-    an update), which beat LAPACK's QR below state size 16 in the sequential loop
-    and make no LAPACK call (`docs/devdocs/kalman.md`, "Small factorisations
-    without LAPACK"). Modified Gram-Schmidt's `L` is as accurate as Householder's
-    (Björck, "Numerical Methods for Least Squares Problems", 1996), row by row:
-    what a square-root filter needs. A row that is zero after the projections
-    (rank deficiency) gives a zero column of `L` and of `Q`.
+    Row `i` is normalised and projected out of the rows below it, every row one
+    vector over the batch and the columns, in a loop over the rows (unrolled, the
+    program and its derivative took many times longer to compile); no LAPACK call
+    (`docs/devdocs/kalman.md`, "Small factorisations without LAPACK"). Modified
+    Gram-Schmidt's `L` is as accurate as Householder's (Björck, "Numerical Methods
+    for Least Squares Problems", 1996), row by row: what a square-root filter
+    needs. A row that is zero after the projections (rank deficiency) gives a zero
+    column of `L` and of `Q`.
     """
     m = A.shape[-2]
-    rest = A
-    cols, qs = [], []
-    for i in range(m):
-        a = rest[..., 0, :]
-        g = jnp.sum(rest * a[..., None, :], axis=-1)  # row i against rows i..m-1
-        norm2 = g[..., 0]
+    rows = jnp.arange(m)
+
+    def body(rest, i):
+        a = jnp.take(rest, i, axis=-2)
+        g = jnp.sum(rest * a[..., None, :], axis=-1)  # row i against every row
+        norm2 = jnp.take(g, i, axis=-1)
         pos = norm2 > 0
         # double where: a zero row has zero derivatives, not NaN ones
         inv = jnp.where(pos, jax.lax.rsqrt(jnp.where(pos, norm2, 1)), 0)
-        c = g * inv[..., None]  # column i of L, rows i..m-1
+        c = jnp.where(rows >= i, g * inv[..., None], 0)  # column i of L
         q = a * inv[..., None]
-        rest = rest[..., 1:, :] - c[..., 1:, None] * q[..., None, :]
-        zeros = jnp.zeros((*c.shape[:-1], i), A.dtype)
-        cols.append(jnp.concatenate([zeros, c], axis=-1))
-        qs.append(q)
-    return jnp.stack(cols, axis=-1), jnp.stack(qs, axis=-1)
+        below = (rows > i)[:, None]
+        rest = jnp.where(below, rest - c[..., :, None] * q[..., None, :], 0)
+        return rest, (c, q)
+
+    _, (cols, qs) = jax.lax.scan(body, A, rows)
+    return jnp.moveaxis(cols, 0, -1), jnp.moveaxis(qs, 0, -1)
 
 
-def _tril_phi(S: Array) -> Array:
-    """The lower triangle of `S` with half its diagonal."""
-    m = S.shape[-1]
-    phi = jnp.tril(jnp.ones((m, m), S.dtype)) - 0.5 * jnp.eye(m, dtype=S.dtype)
-    return S * jnp.broadcast_to(phi, S.shape)
-
-
-@jax.custom_jvp
 def tria(A: Inexact[Array, "*batch m k"]) -> Inexact[Array, "*batch m m"]:
     """The lower-triangular `L` with a non-negative diagonal and `L L^T = A A^T`:
     the triangular factor of a QR decomposition of `A^T`, i.e. the Cholesky factor
     of `A A^T` computed without forming it.
 
     The square-root filter's building block: `tria([F L, L_Q])` is a factor of
-    `F L L^T F^T + Q`. For `A` of full row rank, differentiated by its own rule
-    (the derivative of the Cholesky factor of the Gramian `A A^T`):
-    `dL = L Phi(X + X^T)`, `X = L^{-1} dA Q` with `A = L Q^T`, `Phi` the lower
-    triangle and half the diagonal.
+    `F L L^T F^T + Q`. Differentiated by autodiff through the Gram-Schmidt steps,
+    which is as accurate as they are: the rule from the Gramian,
+    `dL = L Phi(L^{-1} dA Q + ...)`, divides by the factor's small diagonal and
+    lost five digits (float64) on stiff models.
     """
     return _gram_schmidt(A)[0]
-
-
-@tria.defjvp
-@full_precision
-def _tria_jvp(primals, tangents):
-    (A,), (dA,) = primals, tangents
-    L, Q = _gram_schmidt(A)
-    L_inv = tril_inverse(L) if A.ndim > 2 else tril_inverse_by_rows(L)
-    X = L_inv @ dA @ Q
-    return L, L @ _tril_phi(X + _mT(X))
 
 
 @jax.custom_jvp
@@ -304,7 +287,8 @@ def tria_gram(A: Inexact[Array, "*batch m k"]) -> Inexact[Array, "*batch m m"]:
 
     Its derivative is `dA Q` (`A = L Q^T`, `Q` held fixed): not lower triangular,
     but a tangent of the Gramian (`dL L^T + L dL^T = dA A^T + A dA^T`) that stays
-    finite where `L` is singular, where `tria`'s rule divides by zero.
+    finite where `L` is singular, where autodiff through the Gram-Schmidt steps
+    divides by (almost) zero.
     """
     return _gram_schmidt(A)[0]
 

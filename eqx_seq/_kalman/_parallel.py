@@ -14,7 +14,16 @@ import jax.scipy.linalg as jsl
 from jaxtyping import Array
 
 from .._scan import AbstractScan
-from ._linalg import _cho_solve, _chol, _gram, _mT, _sym, tria, tria_gram, tril_inverse
+from ._linalg import (
+    _cho_solve,
+    _chol,
+    _gram,
+    _mT,
+    _sym,
+    tria,
+    tria_gram,
+    tril_inverse_by_rows,
+)
 from ._problem import _per_step, _Problem
 from ._results import _filter_result, KalmanFilterResult
 from ._sqrt import sqrt_update, whitened_log_density
@@ -96,10 +105,6 @@ def _cov_combine(earlier, later):
     return A, b, C, eta, J
 
 
-
-
-
-
 def _first_step(problem: _Problem):
     """Every step's `F`, `mu` (the control's `B u`) and the factor of the noise
     covariance `Sigma` given `x_{t-1}`; step 1 with the prior folded in (no
@@ -136,7 +141,7 @@ def _sqrt_elements(problem: _Problem):
                 ]
             )
         )
-        S_inv_half = tril_inverse(X[:p, :p])  # S^{-1/2}
+        S_inv_half = tril_inverse_by_rows(X[:p, :p])  # S^{-1/2}
         K = X[p:, :p] @ S_inv_half
         HF = Hw @ F
         v = y - Hw @ mu
@@ -169,8 +174,8 @@ def _sqrt_combine(earlier, later):
     n = b_i.shape[-1]
     eye = jnp.eye(n, dtype=b_i.dtype)
     B = U_i.T @ Z_j
-    V = U_i @ _mT(tril_inverse(tria(jnp.concatenate([B, eye], axis=1))))
-    G_inv = tril_inverse(tria(jnp.concatenate([eye, B.T], axis=1)))
+    V = U_i @ _mT(tril_inverse_by_rows(tria(jnp.concatenate([B, eye], axis=1))))
+    G_inv = tril_inverse_by_rows(tria(jnp.concatenate([eye, B.T], axis=1)))
     r = eta_j - Z_j @ (Z_j.T @ b_i)  # eta_j - J_j b_i
     Vr = V @ (V.T @ r)
     b = A_j @ (b_i + Vr) + b_j

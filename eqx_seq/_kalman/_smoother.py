@@ -8,7 +8,7 @@ import jax.numpy as jnp
 from jaxtyping import Array
 
 from .._scan import AbstractScan
-from ._linalg import _bmm, _mT, _mv, _sandwich, _sym, tria, tril_inverse
+from ._linalg import _bmm, _mT, _mv, _sandwich, _sym, tria, tril_inverse_by_rows
 from ._problem import _Model, _per_step
 from ._results import KalmanFilterResult, KalmanSmootherResult
 
@@ -31,7 +31,7 @@ def _element(m: Array, L: Array, m_pred_next: Array, F: Array, L_Q: Array):
         ]
     )
     X = tria(A)
-    E = X[n:, :n] @ tril_inverse(X[:n, :n])
+    E = X[n:, :n] @ tril_inverse_by_rows(X[:n, :n])
     Lam = X[n:, n:]
     return E, m - E @ m_pred_next, _sym(Lam @ Lam.T)
 
@@ -41,7 +41,8 @@ def smoother_elements(model: _Model, filtered: KalmanFilterResult, factors: Arra
     last is `(0, m_T, P_T)`."""
     ms = filtered.means
     F_v, Q_v = _per_step(model.F, 2), _per_step(model.L_Q, 2)
-    E, g, C = jax.vmap(_element, in_axes=(0, 0, 0, 0 if F_v else None, 0 if Q_v else None))(
+    in_axes = (0, 0, 0, 0 if F_v else None, 0 if Q_v else None)
+    E, g, C = jax.vmap(_element, in_axes=in_axes)(
         ms[:-1],
         factors[:-1],
         filtered.predicted_means[1:],

@@ -11,7 +11,7 @@ does not cancel catastrophically in float32 (`docs/devdocs/kalman.md`,
 import jax.numpy as jnp
 from jaxtyping import Array
 
-from ._linalg import _LOG_2PI, _mm, _mv, tria
+from ._linalg import _LOG_2PI, _mm, _mv, tria, tril_inverse_by_rows
 
 
 def _block(rows: list[list[Array]]) -> Array:
@@ -61,6 +61,28 @@ def sqrt_update(
     m_f = m_pred + _mv(Lo[p : p + n, :p], nu)
     log_s = 2 * jnp.log(jnp.diagonal(Lo)[:p])
     return m_f, Lo[p : p + n, p : p + n], nu, log_s
+
+
+def sqrt_affine_update(FL: Array, L_Q: Array, Hw: Array):
+    """`sqrt_update` for a fixed `F L` as an affine map of the predicted mean and
+    the observation: `m_f = M m_pred + G y`, `nu = E_m m_pred + E_y y`, from the
+    same triangularisation without the innovation row (`E_y = S^{-1/2}`,
+    `G = K_bar S^{-1/2}`); and the filtered factor and log-variances. For the
+    steady state: cheaper to differentiate than the Jacobian of `sqrt_update`."""
+    n, p = FL.shape[-1], Hw.shape[-2]
+    dtype = FL.dtype
+    A = _block(
+        [
+            [jnp.eye(p, dtype=dtype), Hw @ FL, Hw @ L_Q],
+            [jnp.zeros((n, p), dtype), FL, L_Q],
+        ]
+    )
+    Lo = tria(A)
+    E_y = tril_inverse_by_rows(Lo[:p, :p])
+    G = Lo[p:, :p] @ E_y
+    M = jnp.eye(n, dtype=dtype) - G @ Hw
+    log_s = 2 * jnp.log(jnp.diagonal(Lo)[:p])
+    return M, G, -E_y @ Hw, E_y, Lo[p:, p:], log_s
 
 
 def whitened_log_density(nu: Array, log_s: Array, obs: Array) -> Array:

@@ -8,8 +8,6 @@ product, innovations and log-likelihoods are batched, the covariances are the fi
 ones. See `docs/devdocs/kalman.md`, "Steady state".
 """
 
-import functools as ft
-
 import equinox as eqx
 import jax
 import jax.lax as lax
@@ -21,9 +19,9 @@ from ._linalg import _gram, _LOG_2PI, _mv, _sym
 from ._problem import _Model, _per_step, _Problem
 from ._results import _filter_result, KalmanFilterResult
 from ._step import (
+    _affine_update,
     _covariances,
     _initial,
-    _innovations,
     _predict_cov,
     _predicted_covs,
     _sequential_step,
@@ -79,34 +77,25 @@ def _settle(model: _Model, m: Array, S: Array, Hw: Array, square_root: bool):
     """One more exact step from the filtered factor (covariance) `S` at step `K`,
     the update after it as an affine map, and whether the covariance has settled.
 
-    The affine map is the Jacobian of the step's own update (`_innovations`, affine
-    in the mean and the observation for a fixed covariance), so the steady-state
-    steps compute what the exact steps compute. Settled: near the fixed point the
-    change `D = P_{K+1} - P_K` propagates as `A D A^T` with the closed-loop matrix
-    `A = M F`, so the distance of `P_{K+1}` from the fixed point is about
-    `sum_{j >= 1} A^j D A^jT` (summed by doubling to `j = 256`, which also checks
-    that `A` contracts); `ok` when that is within `_SETTLED_ULPS` units of
-    round-off of `P_{K+1}`.
+    The affine map is the step's own update for a fixed covariance
+    (`_affine_update`), so the steady-state steps compute what the exact steps
+    compute. Settled: near the fixed point the change `D = P_{K+1} - P_K`
+    propagates as `A D A^T` with the closed-loop matrix `A = M F`, so the distance
+    of `P_{K+1}` from the fixed point is about `sum_{j >= 1} A^j D A^jT` (summed by
+    doubling to `j = 256`, which also checks that `A` contracts); `ok` when that is
+    within `_SETTLED_ULPS` units of round-off of `P_{K+1}`.
     """
-    n, p = Hw.shape[1], Hw.shape[0]
-    dtype = S.dtype
-    update = ft.partial(_innovations, square_root)
-
-    def affine(m_pred, y):
-        m_f, _, nu, _ = update(m_pred, S, model.F, model.L_Q, Hw, y)
-        return m_f, nu
-
-    zeros = (jnp.zeros((n,), dtype), jnp.zeros((p,), dtype))
-    (M, G), (E_m, E_y) = jax.jacfwd(affine, argnums=(0, 1))(*zeros)
-    _, S_filt, _, log_s = update(zeros[0], S, model.F, model.L_Q, Hw, zeros[1])
-    P, P_filt = _gram(S) if square_root else S, _gram(S_filt) if square_root else S_filt
-    P_filt = _sym(P_filt)
+    M, G, E_m, E_y, S_filt, log_s = _affine_update(
+        square_root, S, model.F, model.L_Q, Hw
+    )
+    P = _gram(S) if square_root else S
+    P_filt = _sym(_gram(S_filt)) if square_root else S_filt
     A = M @ model.F
     D = A @ (P_filt - P) @ A.T
     for _ in range(8):
         D = D + A @ D @ A.T
         A = A @ A
-    eps = jnp.finfo(dtype).eps
+    eps = jnp.finfo(S.dtype).eps
     norm = lambda X: jnp.sqrt(jnp.sum(X * X))
     ok = (norm(D) <= _SETTLED_ULPS * eps * norm(P_filt)) & (norm(A) < 0.5)
     P_pred = _predict_cov(P, model.F, model.L_Q)

@@ -23,7 +23,7 @@ from ._linalg import (
     tril_inverse_by_rows,
 )
 from ._problem import _Model, _per_step, _Problem
-from ._sqrt import sqrt_update, whitened_log_density
+from ._sqrt import sqrt_affine_update, sqrt_update, whitened_log_density
 
 
 def _predict_cov(P: Array, F: Array, L_Q: Array) -> Array:
@@ -104,18 +104,26 @@ def _complete_update_jvp(primals, tangents):
     return (m_f, P_f, ll), (dm_f, dP_f, dll)
 
 
-def _innovations(
-    square_root: bool, m_pred: Array, S: Array, F: Array, L_Q: Array, Hw: Array, y
-):
-    """The update after `S` (the previous filtered factor, or covariance): the
-    filtered mean and factor (covariance), the whitened innovations and the log
-    innovation variances. For a fixed `S` the mean and the innovations are affine
-    in `m_pred` and `y` (what the steady state uses)."""
+def _affine_update(square_root: bool, S: Array, F: Array, L_Q: Array, Hw: Array):
+    """The update after `S` (the previous filtered factor, or covariance), which
+    for a fixed `S` is affine in the predicted mean and the observation:
+    `(M, G, E_m, E_y, S_filt, log_s)` with `m_f = M m_pred + G y` and whitened
+    innovations `E_m m_pred + E_y y` of log-variances `log_s` (the steady state's
+    map). The covariance form takes the Jacobian of its own update."""
     if square_root:
-        return sqrt_update(m_pred, _mm(F, S), L_Q, Hw, y)
-    obs = jnp.ones(y.shape, bool)
-    m, P, _, (_, es, ss) = _update(m_pred, _predict_cov(S, F, L_Q), y, Hw, obs)
-    return m, P, es / jnp.sqrt(ss), jnp.log(ss)
+        return sqrt_affine_update(_mm(F, S), L_Q, Hw)
+    n, p = Hw.shape[1], Hw.shape[0]
+    P_pred = _predict_cov(S, F, L_Q)
+    obs = jnp.ones((p,), bool)
+
+    def affine(m, y):
+        m, _, _, (_, es, ss) = _update(m, P_pred, y, Hw, obs)
+        return m, es / jnp.sqrt(ss)
+
+    zeros = (jnp.zeros((n,), S.dtype), jnp.zeros((p,), S.dtype))
+    (M, G), (E_m, E_y) = jax.jacfwd(affine, argnums=(0, 1))(*zeros)
+    _, P_filt, _, (_, _, ss) = _update(*zeros[:1], P_pred, zeros[1], Hw, obs)
+    return M, G, E_m, E_y, P_filt, jnp.log(ss)
 
 
 def _initial(model: _Model, square_root: bool) -> Array:
@@ -186,9 +194,7 @@ def _sequential_step(problem: _Problem, *, square_root: bool, complete: bool = F
         elif complete:
             m, S, ll = _complete_update(m_pred, _predict_cov(S, F, L_Q), x["y"], Hw)
         else:
-            m, S, ll, _ = _update(
-                m_pred, _predict_cov(S, F, L_Q), x["y"], Hw, x["obs"]
-            )
+            m, S, ll, _ = _update(m_pred, _predict_cov(S, F, L_Q), x["y"], Hw, x["obs"])
         return (m, S), (m, S, m_pred, ll)
 
     # over all steps, rematerialised in the backward pass: storing every
