@@ -24,8 +24,15 @@ float32, one sequence, constant model; state 4 / obs 2 and state 16 / obs 8; T i
   subprocess with a timeout: long `lax.associative_scan` programs have stalled on
   this CPU (benchmarks/README.md).
 
+With `--stiff`, instead: the square-root filter on stiff models (vague prior,
+precise observations) in float32 against float64, per case and backend, then its
+cost against the covariance-form filter (the private `_square_root=False`, the
+filter before the square-root form) on the non-stiff models above, interleaved in
+one run; JSON to results/<machine>/kalman_sqrt.json.
+
     python benchmarks/bench_kalman.py            # a few minutes
     python benchmarks/bench_kalman.py --quick    # T=1k only, one size: a smoke test
+    python benchmarks/bench_kalman.py --stiff    # stiff table, then sqrt vs covariance
 """
 
 import argparse
@@ -37,7 +44,9 @@ import time
 
 import equinox as eqx
 import jax
+import jax.numpy as jnp
 import jax.random as jr
+import numpy as np
 
 import eqx_seq
 
@@ -146,6 +155,245 @@ def parallel(n, p, T, repeats, timeout, use_lax):
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+# --- the square-root filter: stiff models, and its cost (`--stiff`) ---
+
+
+def _tracker(q, r, p0, T, start, rng, q_kind="cv"):
+    """The 2-D constant-velocity tracker (dt = 0.1, state 4, obs 2), `R = r I`,
+    `P0 = p0 I`; data from `start` (None: from the vague prior itself)."""
+    dt = 0.1
+    F = np.eye(4) + dt * np.eye(4, k=2)
+    cv = np.kron(np.array([[dt**3 / 3, dt**2 / 2], [dt**2 / 2, dt]]), np.eye(2))
+    Q = q * (cv if q_kind == "cv" else np.eye(4))
+    model = dict(F=F, H=np.eye(2, 4), Q=Q, R=r * np.eye(2), P0=p0 * np.eye(4))
+    x = rng.normal(size=4) * np.sqrt(p0) if start is None else np.asarray(start)
+    L_Q, ys = np.linalg.cholesky(Q), []
+    for _ in range(T):
+        x = F @ x + L_Q @ rng.normal(size=4)
+        ys.append(x[:2] + np.sqrt(r) * rng.normal(size=2))
+    return model, np.array(ys)
+
+
+def _random_stiff(n, p, r, p0, T, rng):
+    """A random stable model (`F = 0.95 U`), `R` about `r` times `Q`'s scale."""
+    U, _ = np.linalg.qr(rng.normal(size=(n, n)))
+    A, B = rng.normal(size=(n, n)), rng.normal(size=(p, p))
+    Q = 0.1 * (A @ A.T / n + 0.3 * np.eye(n))
+    model = dict(
+        F=0.95 * U, H=rng.normal(size=(p, n)), Q=Q,
+        R=r * (B @ B.T / p + 0.3 * np.eye(p)), P0=p0 * np.eye(n),
+    )  # fmt: skip
+    x, ys = rng.normal(size=n), []
+    for _ in range(T):
+        x = model["F"] @ x + rng.multivariate_normal(np.zeros(n), Q)
+        ys.append(model["H"] @ x + rng.multivariate_normal(np.zeros(p), model["R"]))
+    return model, np.array(ys)
+
+
+def stiff_cases(T=1000):
+    """name -> (model, float32 observations). The first are the issue's tracker
+    with data drawn from the vague prior itself (states of 1e2-1e5); the others
+    have states of a few units."""
+    rng = lambda: np.random.default_rng(0)
+    start = [1.0, -0.5, 0.05, 0.02]
+    cases = {}
+    for q, kind in ((1e-3, "I"), (1e-6, "I"), (1e-3, "cv")):
+        for p0, r in ((1e4, 1e-4), (1e6, 1e-6)):
+            name = f"tracker Q={q:.0e}{'I' if kind == 'I' else '*cv'} P0={p0:.0e} R={r:.0e}"
+            cases[name + " (from prior)"] = _tracker(q, r, p0, T, None, rng(), kind)
+    for q, kind in ((1e-4, "cv"), (1e-6, "I")):
+        for p0, r in ((1e4, 1e-4), (1e6, 1e-6)):
+            name = f"tracker Q={q:.0e}{'I' if kind == 'I' else '*cv'} P0={p0:.0e} R={r:.0e}"
+            cases[name] = _tracker(q, r, p0, T, start, rng(), kind)
+    model, ys = _tracker(1e-4, 1e-6, 1e6, T, start, rng())
+    ys[[3, 50, 400], 0] = np.nan
+    ys[[7, 600]] = np.nan
+    cases["tracker Q=1e-04*cv P0=1e+06 R=1e-06, missing"] = (model, ys)
+    for n, p in ((5, 2), (8, 3)):
+        for p0, r in ((1e4, 1e-4), (1e6, 1e-6)):
+            name = f"random {n}/{p} P0={p0:.0e} R={r:.0e}*Q"
+            cases[name] = _random_stiff(n, p, r, p0, T, rng())
+    return {k: (m, ys.astype(np.float32)) for k, (m, ys) in cases.items()}
+
+
+def _rounding_floor(model, ys):
+    """The float64 log-likelihood of a square-root filter (NumPy, float64) whose
+    means are rounded to float32 after every step: what representing the state in
+    float32 alone costs, whatever the algorithm."""
+
+    def tria(A):
+        R = np.linalg.qr(A.T, mode="r")
+        return (R * np.sign(np.diag(R))[:, None]).T
+
+    F, H, n = model["F"], model["H"], model["F"].shape[0]
+    L_Q = np.linalg.cholesky(model["Q"])
+    m, L, total = np.zeros(n), np.linalg.cholesky(model["P0"]), 0.0
+    r32 = lambda x: x.astype(np.float32).astype(np.float64)
+    for y in ys.astype(np.float64):
+        m_pred, L = r32(F @ m), tria(np.hstack([F @ L, L_Q]))
+        o = ~np.isnan(y)
+        k = int(o.sum())
+        if not k:
+            m = m_pred
+            continue
+        Ho, L_R = H[o], np.linalg.cholesky(model["R"][np.ix_(o, o)])
+        X = tria(np.block([[Ho @ L, L_R], [L, np.zeros((n, k))]]))
+        nu = np.linalg.solve(X[:k, :k], y[o] - Ho @ m_pred)
+        m, L = r32(m_pred + X[k:, :k] @ nu), X[k:, k:]
+        logdet = 2 * np.log(np.abs(np.diag(X[:k, :k]))).sum()
+        total += -0.5 * (k * np.log(2 * np.pi) + logdet + nu @ nu)
+    return total
+
+
+def _with_private(kf, **private):
+    """`kf` with private switches (`_square_root`, `_steady_state`) set."""
+    from eqx_seq._kalman._parameters import _Parameters
+
+    params = _Parameters(
+        kf.F, kf.H, kf.B, kf.D, kf.m0, kf.Q_factor, kf.R_factor, kf.P0_factor,
+        kf.num_steps,
+    )  # fmt: skip
+    return eqx_seq.KalmanFilter(
+        kf.state_size, kf.obs_size, scan=kf.scan, key=None, _parameters=params,
+        **private,
+    )  # fmt: skip
+
+
+_GRAD = eqx.filter_jit(eqx.filter_grad(lambda kf, ys: kf.log_likelihood(ys)))
+
+
+def _stiff_row(model, ys, scan):
+    """One case and backend: float32 and float64 log-likelihoods (the same float32
+    data), the covariance form's float32 one, whether the float32 filter, smoother
+    and gradient are finite, and the smallest `min eig / max eig` of the float32
+    filtered, predicted and smoothed covariances."""
+    n = model["F"].shape[0]
+    kf = lambda dtype: eqx_seq.KalmanFilter.from_matrices(
+        model["F"], model["H"], model["Q"], model["R"], np.zeros(n), model["P0"],
+        scan=scan, dtype=dtype,
+    )  # fmt: skip
+    kf32 = kf(jnp.float32)
+    f32, sm32 = kf32.filter(ys), kf32.smooth(ys)
+    grad = _GRAD(kf32, ys)
+    finite = all(
+        bool(jnp.all(jnp.isfinite(x))) for x in jax.tree.leaves((f32, sm32, grad))
+    )
+    ratio = []
+    for P in (f32.covs, f32.predicted_covs, sm32.covs):
+        ev = np.linalg.eigvalsh(np.asarray(P, np.float64))
+        ratio.append(float((ev[..., 0] / ev[..., -1]).min()))
+    cov32 = _with_private(kf32, _square_root=False).filter(ys)
+    ll64 = float(kf(jnp.float64).filter(ys.astype(np.float64)).log_likelihood)
+    return {
+        "float32": float(f32.log_likelihood),
+        "float64": ll64,
+        "covariance form float32": float(cov32.log_likelihood),
+        "finite": finite,
+        "min eig / max eig": min(ratio),
+        "float32 means floor": abs(_rounding_floor(model, ys) - ll64),
+    }
+
+
+def stiff_table(T=1000):
+    print(
+        f"\nstiff models, T = {T}: log-likelihoods, float32 vs float64 on the same "
+        "(float32) data;\n'floor': what rounding a float64 filter's means to "
+        "float32 alone moves it by;\n'finite': the float32 filter, smoother and "
+        "gradient; 'min eig': the smallest min/max\neigenvalue ratio of the float32 "
+        "filtered, predicted and smoothed covariances;\n'cov f32': the "
+        "covariance-form filter's float32 log-likelihood"
+    )
+    print(
+        f"{'case':50s} {'backend':5s} {'float32':>12s} {'float64':>12s} "
+        f"{'|diff|':>8s} {'floor':>8s} {'finite':>6s} {'min eig':>9s} "
+        f"{'cov f32':>12s}"
+    )
+    rows = {}
+    for name, (model, ys) in stiff_cases(T).items():
+        for label, scan in (
+            ("seq", eqx_seq.SequentialScan()),
+            ("par", eqx_seq.AssociativeScan()),
+        ):
+            r = _stiff_row(model, ys, scan)
+            r["|diff|"] = abs(r["float32"] - r["float64"])
+            rows[f"{name} / {label}"] = r
+            print(
+                f"{name:50s} {label:5s} {r['float32']:12.4f} {r['float64']:12.4f} "
+                f"{r['|diff|']:8.4f} {r['float32 means floor']:8.4f} "
+                f"{'yes' if r['finite'] else 'NO':>6s} "
+                f"{r['min eig / max eig']:9.1e} {r['covariance form float32']:12.6g}",
+                flush=True,
+            )
+    return rows
+
+
+def sqrt_vs_covariance(sizes, lengths, repeats):
+    """The square-root filter's cost against the covariance form (the private
+    `_square_root=False`), on the non-stiff models of the main table, float32,
+    every pair of programs interleaved in one `measure_many` run per size and
+    length."""
+    print(
+        "\nsquare-root vs covariance form, non-stiff models, float32 "
+        "(median ms; ratio = sqrt / cov)"
+    )
+    print(
+        f"{'n/p':>5s} {'T':>7s} {'program':18s} {'sqrt ms':>9s} {'cov ms':>9s} "
+        f"{'ratio':>6s} {'compile s sqrt/cov':>19s}"
+    )
+    filt = eqx.filter_jit(lambda kf, ys: kf.filter(ys))
+    grad = eqx.filter_jit(eqx.filter_grad(lambda kf, ys: kf.log_likelihood(ys)))
+    smooth = eqx.filter_jit(lambda kf, ys: kf.smooth(ys).means)
+    out = {}
+    for n, p in sizes:
+        for T in lengths:
+            base = {
+                "seq": eqx_seq.KalmanFilter(
+                    n,
+                    p,
+                    scan=eqx_seq.SequentialScan(),
+                    dtype=jnp.float32,
+                    key=jr.key(0),
+                ),  # fmt: skip
+                "par": eqx_seq.KalmanFilter(
+                    n,
+                    p,
+                    scan=eqx_seq.AssociativeScan(),
+                    dtype=jnp.float32,
+                    key=jr.key(0),
+                ),  # fmt: skip
+            }
+            _, ys = base["seq"].sample(jr.key(1), T)
+            progs, names = {}, []
+            for form, private in (("sqrt", {}), ("cov", {"_square_root": False})):
+                seq = _with_private(base["seq"], **private)
+                exact = _with_private(base["seq"], _steady_state=False, **private)
+                par = _with_private(base["par"], **private)
+                cands = {
+                    "seq filter": (filt, (seq, ys)),
+                    "seq filter (exact)": (filt, (exact, ys)),
+                    "seq grad": (grad, (seq, ys)),
+                    "seq smoother": (smooth, (seq, ys)),
+                    "par filter": (filt, (par, ys)),
+                }
+                for what, prog in cands.items():
+                    if what == "par filter" and T > 10_000:
+                        continue
+                    progs[f"{form}: {what}"] = prog
+                    names.append(what)
+            res = measure_many(progs, repeats=repeats)
+            for what in dict.fromkeys(names):
+                a, b = res[f"sqrt: {what}"], res[f"cov: {what}"]
+                ratio = a["median_ms"] / b["median_ms"]
+                print(
+                    f"{n:>2d}/{p:<2d} {T:>7d} {what:18s} {a['median_ms']:9.2f} "
+                    f"{b['median_ms']:9.2f} {ratio:6.2f} "
+                    f"{a['first_call_s']:9.1f}/{b['first_call_s']:<9.1f}",
+                    flush=True,
+                )
+                out[f"{n}/{p}/{T}/{what}"] = {"sqrt": a, "cov": b, "ratio": ratio}
+    return out
+
+
 def main():
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -158,10 +406,32 @@ def main():
         default=results_path("kalman"),
         help="default: results/<machine>/kalman.json",
     )
+    parser.add_argument(
+        "--stiff",
+        action="store_true",
+        help="the square-root filter: stiff models, and its cost (module doc)",
+    )
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         parallel_child(*map(int, args.child.split(",")))
+        return
+    if args.stiff:
+        jax.config.update("jax_enable_x64", True)  # the float64 columns
+        info = machine()
+        print(f"machine: {info['cpu']} ({info['cores']} cores), jax {info['jax']}")
+        print(allocator_line(info))
+        sizes = [(4, 2)] if args.quick else [(4, 2), (16, 8)]
+        lengths = [1000] if args.quick else [1000, 10_000]
+        payload = {
+            "machine": info,
+            "stiff": stiff_table(),
+            "sqrt_vs_covariance": sqrt_vs_covariance(sizes, lengths, args.repeats),
+        }
+        json_path = args.json
+        if json_path == results_path("kalman"):
+            json_path = results_path("kalman_sqrt")
+        write_json(json_path, payload)
         return
     info = machine()
     print(

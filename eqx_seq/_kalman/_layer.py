@@ -34,10 +34,12 @@ class KalmanFilter(eqx.Module):
     factors (`Q_factor`, `R_factor`, `P0_factor`): every parameter value is valid.
 
     `scan` selects the algorithm: a sequential backend ([`eqx_seq.SequentialScan`][])
-    runs the standard filter (with a steady-state shortcut) and an information-form
-    smoother in a loop; a parallel one ([`eqx_seq.AssociativeScan`][]) those of
-    Särkkä & García-Fernández (IEEE TAC 2021) in its `associative_scan`. The
-    log-likelihood is differentiated by Fisher's identity. See `docs/usage/kalman.md`.
+    runs the filter (with a steady-state shortcut) and the smoother in a loop; a
+    parallel one ([`eqx_seq.AssociativeScan`][]) those of Särkkä & García-Fernández
+    (IEEE TAC 2021) in its `associative_scan`. Both propagate Cholesky factors of
+    the covariances (square-root form), which keeps float32 accurate when a vague
+    prior meets precise observations. The log-likelihood is differentiated by
+    Fisher's identity. See `docs/usage/kalman.md`.
 
     !!! Example
 
@@ -334,9 +336,8 @@ class KalmanFilter(eqx.Module):
         """Smoothed moments (Rauch-Tung-Striebel).
 
         Rauch, Tung & Striebel, "Maximum likelihood estimates of linear dynamic
-        systems", AIAA Journal 1965; with a sequential backend in Bryson-Frazier
-        (information) form, Bierman 1977; in parallel, Särkkä & García-Fernández
-        2021.
+        systems", AIAA Journal 1965, in square-root form (Park & Kailath); in
+        parallel as an associative scan, Särkkä & García-Fernández 2021.
 
         **Arguments:**
 

@@ -1,74 +1,77 @@
 """The square-root filter step: the filter carries a Cholesky factor `L` of the
-filtered covariance (`P = L L^T`), and one triangularisation per step predicts and
-conditions on all the whitened observations at once (the "array" form; Bierman,
-"Factorization Methods for Discrete Sequential Estimation", 1977). Covariances are
-then positive semi-definite by construction, and a factor spans the square root of
-the covariance's dynamic range, so that a vague prior meeting a precise observation
+filtered covariance (`P = L L^T`) and updates it in the "array" form (Bierman,
+"Factorization Methods for Discrete Sequential Estimation", 1977), one whitened
+entry at a time, then triangularises once per step. Covariances are then positive
+semi-definite by construction, and a factor spans the square root of the
+covariance's dynamic range, so that a vague prior meeting a precise observation
 does not cancel catastrophically in float32 (`docs/devdocs/kalman.md`,
 "Square-root filter").
 """
 
+import jax
 import jax.numpy as jnp
 from jaxtyping import Array
 
-from ._linalg import _LOG_2PI, _mm, _mv, tria, tril_inverse_by_rows
+from ._linalg import _LOG_2PI, tria, tril_inverse_by_rows
 
 
 def _block(rows: list[list[Array]]) -> Array:
     return jnp.concatenate([jnp.concatenate(r, axis=-1) for r in rows], axis=-2)
 
 
-def sqrt_update(
-    m_pred: Array, FL: Array, L_Q: Array, Hw: Array, y: Array, HwLQ: Array | None = None
-):
-    """Predict the covariance and condition on `y = Hw x + e`, `e ~ N(0, I)`.
+def sqrt_update(m_pred: Array, FL: Array, L_Q: Array, Hw: Array, y: Array):
+    """Predict the covariance and condition on `y = Hw x + e`, `e ~ N(0, I)`, one
+    entry at a time, in square-root form.
 
-    With `F L` (`L` the factor of the previous filtered covariance) the
-    triangularisation of
+    The factor starts as `[F L, L_Q, 0]` (`L` the previous filtered factor, one
+    zero column per entry): a factor of the predicted covariance. Entry `j`, with
+    `phi = L^T h_j` and `s = |phi|^2 + 1`, is the triangularisation of
+    `[[1, phi^T], [0, L]]` done in one step: the rows `[0, L]` lose their
+    projection on `[1, phi^T] / sqrt(s)`, i.e. `L <- L - k phi^T` with the gain
+    `k = L phi / s`, and the column of the `1` (the entry's noise), zero until
+    then, becomes `-k`. That column keeps, exactly, the variance `k k^T` which the
+    rank-one update alone would have to leave behind by cancellation (Potter's
+    update loses it when `s` is large). The mean is updated with the innovation
+    `e_j = y_j - h_j . m`, as the covariance form's scalar updates do. A final
+    `tria` makes the factor square and triangular again.
 
-        [[I,   Hw F L, Hw L_Q, 0],        [[S^{1/2}, 0,   0],
-         [0,   F L,    L_Q,    0],   ->    [K_bar,   L_f, 0],
-         [e^T, 0,      0,      1]]         [nu^T,    *,   *]]
-
-    gives the factor `S^{1/2}` of the innovation covariance `S = Hw P_pred Hw^T + I`,
-    `K_bar = P_pred Hw^T S^{-T/2}`, the filtered factor `L_f`, and the whitened
-    innovations `nu = S^{-1/2} e`, `e = y - Hw m_pred` (the last row: the first
-    block row is `S^{1/2} Q_1^T`, so `Q_1^T [e; 0] = S^{-1/2} e`; its unit column
-    keeps the matrix of full rank). `S^{1/2}` is the factor the scalar updates
-    compute one entry at a time: its squared diagonal is their innovation
-    variances, `nu` their innovations over their standard deviations. A missing
-    entry is a zero row of `Hw` and a zero `y`: its row is `[e_j, 0, 0, 0]`, a unit
-    diagonal and no innovation.
-
-    Returns the filtered mean, `L_f`, `nu`, and the log-variances
-    `log diag(S^{1/2})^2`.
+    A missing entry is a zero row of `Hw` and a zero `y`: `phi = 0`, `s = 1`, no
+    update. Returns the filtered mean and factor, the whitened innovations
+    `nu_j = e_j / sqrt(s_j)` and the log innovation variances `log s_j`.
     """
     n, p = FL.shape[-1], Hw.shape[-2]
     dtype = FL.dtype
-    e = y - _mv(Hw, m_pred)
-    HwLQ = _mm(Hw, L_Q) if HwLQ is None else HwLQ
-    zeros = lambda r, c: jnp.zeros((r, c), dtype)
-    one = jnp.ones((1, 1), dtype)
-    A = _block(
-        [
-            [jnp.eye(p, dtype=dtype), _mm(Hw, FL), HwLQ, zeros(p, 1)],
-            [zeros(n, p), FL, L_Q, zeros(n, 1)],
-            [e[None, :], zeros(1, n), zeros(1, n), one],
-        ]
-    )
-    Lo = tria(A)
-    nu = Lo[p + n, :p]
-    m_f = m_pred + _mv(Lo[p : p + n, :p], nu)
-    log_s = 2 * jnp.log(jnp.diagonal(Lo)[:p])
-    return m_f, Lo[p : p + n, p : p + n], nu, log_s
+    L = jnp.concatenate([FL, L_Q, jnp.zeros((n, p), dtype)], axis=1)
+    noise = jnp.eye(2 * n + p, dtype=dtype)[2 * n :]
+    m = m_pred
+    nus, log_ss = [], []
+    for j in range(p):
+        h = Hw[j]
+        phi = jnp.sum(L * h[:, None], axis=0)
+        s = jnp.sum(phi * phi) + 1  # >= 1: the whitened noise has unit variance
+        k = jnp.sum(L * phi[None, :], axis=1) / s
+        e = y[j] - jnp.sum(h * m)
+        m = m + k * e
+        # the noise column j, zero until now (and so is phi there), becomes -k
+        L = L - k[:, None] * (phi + noise[j])[None, :]
+        nus.append(e * jax.lax.rsqrt(s))
+        log_ss.append(jnp.log(s))
+    return m, tria(L), jnp.stack(nus), jnp.stack(log_ss)
 
 
 def sqrt_affine_update(FL: Array, L_Q: Array, Hw: Array):
     """`sqrt_update` for a fixed `F L` as an affine map of the predicted mean and
-    the observation: `m_f = M m_pred + G y`, `nu = E_m m_pred + E_y y`, from the
-    same triangularisation without the innovation row (`E_y = S^{-1/2}`,
-    `G = K_bar S^{-1/2}`); and the filtered factor and log-variances. For the
-    steady state: cheaper to differentiate than the Jacobian of `sqrt_update`."""
+    the observation, `m_f = M m_pred + G y`, `nu = E_m m_pred + E_y y`; and the
+    filtered factor and log-variances. For the steady state, once.
+
+    All entries at once: the triangularisation of `[[I, Hw F L, Hw L_Q],
+    [0, F L, L_Q]]` is `[[S^{1/2}, 0], [K_bar, L_f]]` with `S^{1/2}` the Cholesky
+    factor of `S = Hw P_pred Hw^T + I` (the diagonal: the scalar updates' `sqrt(s)`),
+    `K_bar = P_pred Hw^T S^{-T/2}`, so that `E_y = S^{-1/2}`, `E_m = -E_y Hw`,
+    `G = K_bar S^{-1/2}` and `M = I - G Hw`. Built so, the map keeps
+    `M + G Hw = I` and `E_m = -E_y Hw` exactly, which Jacobians taken one by one
+    do not (to round-off, which a long tail accumulates).
+    """
     n, p = FL.shape[-1], Hw.shape[-2]
     dtype = FL.dtype
     A = _block(

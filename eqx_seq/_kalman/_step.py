@@ -164,7 +164,6 @@ def _sequential_step(problem: _Problem, *, square_root: bool, complete: bool = F
         _per_step(W, 2),
     )
     Hw_const = None if (H_v or W_v) else W @ model.H
-    HwLQ = None if (Hw_const is None or Q_v) else _mm(Hw_const, model.L_Q)
     xs = {"y": problem.yw, "obs": problem.obs}
     if F_v:
         xs["F"] = model.F
@@ -189,7 +188,7 @@ def _sequential_step(problem: _Problem, *, square_root: bool, complete: bool = F
         else:
             Hw = Hw_const
         if square_root:
-            m, S, nu, log_s = sqrt_update(m_pred, _mm(F, S), L_Q, Hw, x["y"], HwLQ)
+            m, S, nu, log_s = sqrt_update(m_pred, _mm(F, S), L_Q, Hw, x["y"])
             ll = whitened_log_density(nu, log_s, x["obs"])
         elif complete:
             m, S, ll = _complete_update(m_pred, _predict_cov(S, F, L_Q), x["y"], Hw)
