@@ -327,11 +327,41 @@ def stiff_table(T=1000):
     return rows
 
 
-def sqrt_vs_covariance(sizes, lengths, repeats):
+def _sqrt_vs_cov_programs(n, p, T, parallel):
+    """The programs `(fn, args)` of one size and length, square-root and covariance
+    form, keyed `"sqrt: seq filter"` etc.; the parallel filter's alone."""
+    filt = eqx.filter_jit(lambda kf, ys: kf.filter(ys))
+    grad = eqx.filter_jit(eqx.filter_grad(lambda kf, ys: kf.log_likelihood(ys)))
+    smooth = eqx.filter_jit(lambda kf, ys: kf.smooth(ys).means)
+    scan = eqx_seq.AssociativeScan() if parallel else eqx_seq.SequentialScan()
+    base = eqx_seq.KalmanFilter(n, p, scan=scan, dtype=jnp.float32, key=jr.key(0))
+    _, ys = base.sample(jr.key(1), T)
+    progs = {}
+    for form, private in (("sqrt", {}), ("cov", {"_square_root": False})):
+        kf = _with_private(base, **private)
+        if parallel:
+            progs[f"{form}: par filter"] = (filt, (kf, ys))
+            continue
+        exact = _with_private(base, _steady_state=False, **private)
+        progs[f"{form}: seq filter"] = (filt, (kf, ys))
+        progs[f"{form}: seq filter (exact)"] = (filt, (exact, ys))
+        progs[f"{form}: seq grad"] = (grad, (kf, ys))
+        progs[f"{form}: seq smoother"] = (smooth, (kf, ys))
+    return progs
+
+
+def sqrt_vs_cov_child(n, p, T, repeats):
+    """Run in a subprocess: the parallel filters, which in covariance form make
+    batched LAPACK calls that can deadlock on CPU (`docs/devdocs/kalman.md`)."""
+    res = measure_many(_sqrt_vs_cov_programs(n, p, T, True), repeats=repeats)
+    print(json.dumps(res))
+
+
+def sqrt_vs_covariance(sizes, lengths, repeats, timeout):
     """The square-root filter's cost against the covariance form (the private
     `_square_root=False`), on the non-stiff models of the main table, float32,
-    every pair of programs interleaved in one `measure_many` run per size and
-    length."""
+    the two forms' programs interleaved in one `measure_many` run per size and
+    length (the parallel filters in a subprocess with a timeout)."""
     print(
         "\nsquare-root vs covariance form, non-stiff models, float32 "
         "(median ms; ratio = sqrt / cov)"
@@ -340,49 +370,29 @@ def sqrt_vs_covariance(sizes, lengths, repeats):
         f"{'n/p':>5s} {'T':>7s} {'program':18s} {'sqrt ms':>9s} {'cov ms':>9s} "
         f"{'ratio':>6s} {'compile s sqrt/cov':>19s}"
     )
-    filt = eqx.filter_jit(lambda kf, ys: kf.filter(ys))
-    grad = eqx.filter_jit(eqx.filter_grad(lambda kf, ys: kf.log_likelihood(ys)))
-    smooth = eqx.filter_jit(lambda kf, ys: kf.smooth(ys).means)
     out = {}
     for n, p in sizes:
         for T in lengths:
-            base = {
-                "seq": eqx_seq.KalmanFilter(
-                    n,
-                    p,
-                    scan=eqx_seq.SequentialScan(),
-                    dtype=jnp.float32,
-                    key=jr.key(0),
-                ),  # fmt: skip
-                "par": eqx_seq.KalmanFilter(
-                    n,
-                    p,
-                    scan=eqx_seq.AssociativeScan(),
-                    dtype=jnp.float32,
-                    key=jr.key(0),
-                ),  # fmt: skip
-            }
-            _, ys = base["seq"].sample(jr.key(1), T)
-            progs, names = {}, []
-            for form, private in (("sqrt", {}), ("cov", {"_square_root": False})):
-                seq = _with_private(base["seq"], **private)
-                exact = _with_private(base["seq"], _steady_state=False, **private)
-                par = _with_private(base["par"], **private)
-                cands = {
-                    "seq filter": (filt, (seq, ys)),
-                    "seq filter (exact)": (filt, (exact, ys)),
-                    "seq grad": (grad, (seq, ys)),
-                    "seq smoother": (smooth, (seq, ys)),
-                    "par filter": (filt, (par, ys)),
-                }
-                for what, prog in cands.items():
-                    if what == "par filter" and T > 10_000:
-                        continue
-                    progs[f"{form}: {what}"] = prog
-                    names.append(what)
-            res = measure_many(progs, repeats=repeats)
-            for what in dict.fromkeys(names):
-                a, b = res[f"sqrt: {what}"], res[f"cov: {what}"]
+            res = measure_many(_sqrt_vs_cov_programs(n, p, T, False), repeats=repeats)
+            arg = f"{n},{p},{T},{max(1, repeats // 2)}"
+            cmd = [sys.executable, __file__, "--stiff-child", arg]
+            try:
+                child = subprocess.run(
+                    cmd, capture_output=True, text=True, timeout=timeout
+                )
+                if child.returncode == 0:
+                    res.update(json.loads(child.stdout.strip().splitlines()[-1]))
+                else:
+                    status = "failed: " + child.stderr.strip().splitlines()[-1]
+            except subprocess.TimeoutExpired:
+                status = f"timed out after {timeout} s (stalled or slow)"
+            for what in ("seq filter", "seq filter (exact)", "seq grad",
+                         "seq smoother", "par filter"):  # fmt: skip
+                a, b = res.get(f"sqrt: {what}"), res.get(f"cov: {what}")
+                if a is None:
+                    print(f"{n:>2d}/{p:<2d} {T:>7d} {what:18s} {status}")
+                    out[f"{n}/{p}/{T}/{what}"] = {"status": status}
+                    continue
                 ratio = a["median_ms"] / b["median_ms"]
                 print(
                     f"{n:>2d}/{p:<2d} {T:>7d} {what:18s} {a['median_ms']:9.2f} "
@@ -412,9 +422,13 @@ def main():
         help="the square-root filter: stiff models, and its cost (module doc)",
     )
     parser.add_argument("--child", help=argparse.SUPPRESS)
+    parser.add_argument("--stiff-child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         parallel_child(*map(int, args.child.split(",")))
+        return
+    if args.stiff_child:
+        sqrt_vs_cov_child(*map(int, args.stiff_child.split(",")))
         return
     if args.stiff:
         jax.config.update("jax_enable_x64", True)  # the float64 columns
@@ -426,7 +440,9 @@ def main():
         payload = {
             "machine": info,
             "stiff": stiff_table(),
-            "sqrt_vs_covariance": sqrt_vs_covariance(sizes, lengths, args.repeats),
+            "sqrt_vs_covariance": sqrt_vs_covariance(
+                sizes, lengths, args.repeats, args.parallel_timeout
+            ),
         }
         json_path = args.json
         if json_path == results_path("kalman"):

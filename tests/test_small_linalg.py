@@ -79,3 +79,60 @@ def test_by_columns_beyond_the_entrywise_size():
     A = X @ np.swapaxes(X, -1, -2) + 20 * np.eye(20)
     W = small_linalg.inverse_cholesky(jnp.asarray(A))
     np.testing.assert_allclose(W, np.linalg.inv(np.linalg.cholesky(A)), rtol=1e-9)
+
+
+# --- triangularisation (the square-root Kalman filter's) ---
+def _np_tria(A):
+    """The reference: NumPy's (Householder) QR of `A^T`, diagonal made positive."""
+    R = np.linalg.qr(np.swapaxes(A, -1, -2), mode="r")
+    d = np.sign(np.diagonal(R, axis1=-2, axis2=-1))
+    return np.swapaxes(R * d[..., :, None], -1, -2)
+
+
+@pytest.mark.parametrize("loop", [False, True])
+@pytest.mark.parametrize("shape", [(3, 5, 9), (4, 4), (6, 13)])
+def test_tria_matches_householder(shape, loop):
+    rng = np.random.default_rng(len(shape))
+    A = rng.normal(size=shape)
+    L = small_linalg.tria(jnp.asarray(A), loop=loop)
+    np.testing.assert_allclose(L, _np_tria(A), rtol=1e-11, atol=1e-12)
+    assert np.all(np.triu(np.asarray(L), 1) == 0)
+    # a derivative through the Gram-Schmidt steps, against finite differences
+    D = jnp.asarray(rng.normal(size=shape))
+    _, tangent = jax.jvp(lambda A: small_linalg.tria(A, loop=loop), (A,), (D,))
+    eps = 1e-6
+    fd = (_np_tria(A + eps * np.asarray(D)) - _np_tria(A - eps * np.asarray(D))) / (
+        2 * eps
+    )
+    np.testing.assert_allclose(tangent, fd, rtol=1e-6, atol=1e-8)
+
+
+def test_tria_rows_of_very_different_scales():
+    """Row by row accuracy, which the square-root filter relies on: a small row
+    projected out of a huge one keeps its relative accuracy (float32)."""
+    rng = np.random.default_rng(7)
+    big = 1e6 * rng.normal(size=(1, 8))
+    small = 1e-3 * rng.normal(size=(2, 8))
+    A = np.concatenate([big, small]).astype(np.float32)
+    L = np.asarray(small_linalg.tria(jnp.asarray(A)), np.float64)
+    ref = _np_tria(A.astype(np.float64))
+    np.testing.assert_allclose(L[1:, 1:], ref[1:, 1:], rtol=1e-5)
+
+
+def test_tria_gram_of_a_rank_deficient_matrix():
+    """Zero and repeated rows: finite values and derivatives, the right Gramian
+    and a tangent of it (`dL L^T + L dL^T = d(A A^T)`), in forward and reverse
+    mode."""
+    rng = np.random.default_rng(8)
+    A = rng.normal(size=(4, 6))
+    A[2] = 2 * A[0]  # dependent
+    A[3] = 0  # zero
+    A, D = jnp.asarray(A), jnp.asarray(rng.normal(size=(4, 6)))
+    gram = lambda L: L @ L.T
+    L, dL = jax.jvp(small_linalg.tria_gram, (A,), (D,))
+    np.testing.assert_allclose(gram(L), A @ A.T, rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(dL @ L.T + L @ dL.T, D @ A.T + A @ D.T, atol=1e-12)
+    f = lambda A: jnp.sum(jnp.sin(gram(small_linalg.tria_gram(A))))
+    g = jax.grad(f)(A)
+    np.testing.assert_allclose(g, jax.grad(lambda A: jnp.sum(jnp.sin(A @ A.T)))(A))
+    assert np.all(np.isfinite(jax.grad(lambda A: jnp.sum(small_linalg.tria(A)))(A)))

@@ -233,29 +233,46 @@ def _sym_part(A: Array) -> Array:
 # --- triangularisation (square-root factors) ---
 
 
-def _gram_schmidt(A: Array) -> tuple[Array, Array]:
+def _inv_norm(norm2: Array) -> Array:
+    """`1 / sqrt(norm2)`, and 0 for a zero row (double where: zero derivatives,
+    not NaN ones)."""
+    pos = norm2 > 0
+    return jnp.where(pos, jax.lax.rsqrt(jnp.where(pos, norm2, 1)), 0)
+
+
+def _gram_schmidt(A: Array, loop: bool = False) -> tuple[Array, Array]:
     """`(L, Q)` with `A = L Q^T`: `L` lower triangular with a non-negative diagonal,
     the columns of `Q` the orthonormalised rows of `A`, by modified Gram-Schmidt.
 
-    Row `i` is normalised and projected out of the rows below it, every row one
-    vector over the batch and the columns, in a loop over the rows (unrolled, the
-    program and its derivative took many times longer to compile); no LAPACK call
-    (`docs/devdocs/kalman.md`, "Small factorisations without LAPACK"). Modified
-    Gram-Schmidt's `L` is as accurate as Householder's (Björck, "Numerical Methods
-    for Least Squares Problems", 1996), row by row: what a square-root filter
-    needs. A row that is zero after the projections (rank deficiency) gives a zero
+    Row `i` is normalised and projected out of the rows below it: one reduction
+    and one update, every row a vector over the batch and the columns; no LAPACK
+    call (`docs/devdocs/kalman.md`, "Small factorisations without LAPACK").
+    Unrolled, the rows still to do shrink at every step; with `loop`, a `lax.scan`
+    over the rows keeps every array whole (masked): more arithmetic, but a program,
+    and a derivative, many times quicker to compile inside the sequential filter's
+    loop. A row that is zero after the projections (rank deficiency) gives a zero
     column of `L` and of `Q`.
     """
     m = A.shape[-2]
+    if not loop:
+        rest, cols, qs = A, [], []
+        for i in range(m):
+            a = rest[..., 0, :]
+            g = jnp.sum(rest * a[..., None, :], axis=-1)  # row i against rows i..
+            inv = _inv_norm(g[..., 0])
+            c, q = g * inv[..., None], a * inv[..., None]
+            rest = rest[..., 1:, :] - c[..., 1:, None] * q[..., None, :]
+            zeros = jnp.zeros((*c.shape[:-1], i), A.dtype)
+            cols.append(jnp.concatenate([zeros, c], axis=-1))
+            qs.append(q)
+        return jnp.stack(cols, axis=-1), jnp.stack(qs, axis=-1)
+
     rows = jnp.arange(m)
 
     def body(rest, i):
         a = jnp.take(rest, i, axis=-2)
         g = jnp.sum(rest * a[..., None, :], axis=-1)  # row i against every row
-        norm2 = jnp.take(g, i, axis=-1)
-        pos = norm2 > 0
-        # double where: a zero row has zero derivatives, not NaN ones
-        inv = jnp.where(pos, jax.lax.rsqrt(jnp.where(pos, norm2, 1)), 0)
+        inv = _inv_norm(jnp.take(g, i, axis=-1))
         c = jnp.where(rows >= i, g * inv[..., None], 0)  # column i of L
         q = a * inv[..., None]
         below = (rows > i)[:, None]
@@ -266,7 +283,9 @@ def _gram_schmidt(A: Array) -> tuple[Array, Array]:
     return jnp.moveaxis(cols, 0, -1), jnp.moveaxis(qs, 0, -1)
 
 
-def tria(A: Inexact[Array, "*batch m k"]) -> Inexact[Array, "*batch m m"]:
+def tria(
+    A: Inexact[Array, "*batch m k"], *, loop: bool = False
+) -> Inexact[Array, "*batch m m"]:
     """The lower-triangular `L` with a non-negative diagonal and `L L^T = A A^T`:
     the triangular factor of a QR decomposition of `A^T`, i.e. the Cholesky factor
     of `A A^T` computed without forming it.
@@ -275,9 +294,9 @@ def tria(A: Inexact[Array, "*batch m k"]) -> Inexact[Array, "*batch m m"]:
     `F L L^T F^T + Q`. Differentiated by autodiff through the Gram-Schmidt steps,
     which is as accurate as they are: the rule from the Gramian,
     `dL = L Phi(L^{-1} dA Q + ...)`, divides by the factor's small diagonal and
-    lost five digits (float64) on stiff models.
+    lost five digits (float64) on stiff models. `loop`: see `_gram_schmidt`.
     """
-    return _gram_schmidt(A)[0]
+    return _gram_schmidt(A, loop)[0]
 
 
 @jax.custom_jvp

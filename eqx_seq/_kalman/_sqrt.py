@@ -19,7 +19,9 @@ def _block(rows: list[list[Array]]) -> Array:
     return jnp.concatenate([jnp.concatenate(r, axis=-1) for r in rows], axis=-2)
 
 
-def sqrt_update(m_pred: Array, FL: Array, L_Q: Array, Hw: Array, y: Array):
+def sqrt_update(
+    m_pred: Array, FL: Array, L_Q: Array, Hw: Array, y: Array, *, loop: bool = False
+):
     """Predict the covariance and condition on `y = Hw x + e`, `e ~ N(0, I)`, one
     entry at a time, in square-root form.
 
@@ -33,7 +35,8 @@ def sqrt_update(m_pred: Array, FL: Array, L_Q: Array, Hw: Array, y: Array):
     rank-one update alone would have to leave behind by cancellation (Potter's
     update loses it when `s` is large). The mean is updated with the innovation
     `e_j = y_j - h_j . m`, as the covariance form's scalar updates do. A final
-    `tria` makes the factor square and triangular again.
+    `tria` (with `loop`, in the sequential filter) makes the factor square and
+    triangular again.
 
     A missing entry is a zero row of `Hw` and a zero `y`: `phi = 0`, `s = 1`, no
     update. Returns the filtered mean and factor, the whitened innovations
@@ -56,7 +59,7 @@ def sqrt_update(m_pred: Array, FL: Array, L_Q: Array, Hw: Array, y: Array):
         L = L - k[:, None] * (phi + noise[j])[None, :]
         nus.append(e * jax.lax.rsqrt(s))
         log_ss.append(jnp.log(s))
-    return m, tria(L), jnp.stack(nus), jnp.stack(log_ss)
+    return m, tria(L, loop=loop), jnp.stack(nus), jnp.stack(log_ss)
 
 
 def sqrt_affine_update(FL: Array, L_Q: Array, Hw: Array):

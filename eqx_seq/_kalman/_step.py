@@ -188,7 +188,7 @@ def _sequential_step(problem: _Problem, *, square_root: bool, complete: bool = F
         else:
             Hw = Hw_const
         if square_root:
-            m, S, nu, log_s = sqrt_update(m_pred, _mm(F, S), L_Q, Hw, x["y"])
+            m, S, nu, log_s = sqrt_update(m_pred, _mm(F, S), L_Q, Hw, x["y"], loop=True)
             ll = whitened_log_density(nu, log_s, x["obs"])
         elif complete:
             m, S, ll = _complete_update(m_pred, _predict_cov(S, F, L_Q), x["y"], Hw)
