@@ -202,3 +202,61 @@ def kalman_plot(p, axes):
 
 def kalman_can_plot(p):
     return len({T for _, T, _ in kalman_rows(p)}) > 1
+
+
+# --- bench_kalman.py --stiff ----------------------------------------------------------
+def kalman_sqrt_tables(p):
+    stiff = [
+        [
+            f"`{case}`",
+            f"{r['float32']:.4f}",
+            f"{r['float64']:.4f}",
+            f"{r['|diff|']:.4f}",
+            f"{r['float32 means floor']:.4f}",
+            "yes" if r["finite"] else "**no**",
+            f"{r['min eig / max eig']:.1e}",
+            f"{r['covariance form float32']:.6g}",
+        ]
+        for case, r in p["stiff"].items()
+    ]
+    out = [
+        "Stiff models, T = 1000: log-likelihoods in float32 and float64 on the same "
+        '(float32) data; "floor": what rounding a float64 filter\'s means to '
+        'float32 alone moves it by; "finite": the float32 filter, smoother and '
+        'gradient; "min eig": the smallest min/max eigenvalue ratio of the float32 '
+        'covariances; "cov f32": the covariance form\'s float32 log-likelihood.',
+        "",
+    ]
+    out += table(
+        "case / backend | float32 | float64 | abs diff | floor | finite | min eig | "
+        "cov f32",
+        stiff,
+    )
+    cost = []
+    for key, r in p["sqrt_vs_covariance"].items():
+        n, obs, T, what = key.split("/", 3)
+        if "ratio" not in r:
+            cost.append([f"{n}/{obs}", T, what, DASH, DASH, r.get("status", DASH)])
+            continue
+        a, b = r["sqrt"]["median_ms"], r["cov"]["median_ms"]
+        cost.append([f"{n}/{obs}", T, what, ms(a), ms(b), times(r["ratio"])])
+    out += [
+        "The square-root form against the covariance form (`_square_root=False`) on "
+        "the non-stiff models, float32, interleaved:",
+        "",
+    ]
+    out += table("n/p | T | program | sqrt ms | cov ms | sqrt / cov", cost)
+    return out
+
+
+def kalman_sqrt_summary(p):
+    ok = [r["|diff|"] for c, r in p["stiff"].items() if "from prior" not in c]
+    ratios = {}
+    for key, r in p["sqrt_vs_covariance"].items():
+        if "ratio" in r:
+            ratios.setdefault(key.split("/", 3)[3], []).append(r["ratio"])
+    cost = ", ".join(f"{k} {span(v)}" for k, v in ratios.items())
+    return (
+        f"float32 within {max(ok):.4f} nats of float64 on the stiff models it can "
+        f"represent; square-root / covariance form: {cost}"
+    )

@@ -82,6 +82,15 @@ BENCHES = {
         panels=2,
         can_plot=solvers.kalman_can_plot,
     ),
+    "kalman_sqrt": dict(
+        title="Kalman filter, square-root form",
+        script="bench_kalman.py --stiff",
+        what="float32 against float64 on stiff models (vague prior, precise "
+        "observations), and the cost of the square-root form against the covariance "
+        "form.",
+        tables=solvers.kalman_sqrt_tables,
+        summary=solvers.kalman_sqrt_summary,
+    ),
 }
 
 
@@ -201,7 +210,8 @@ def render(results, out, plots=True):
     for bench, machines in data.items():
         spec = BENCHES.get(bench, {})
         lines += [f"## {spec.get('title', bench)}", ""]
-        lines += [f"`benchmarks/bench_{bench}.py`: {spec.get('what', '')}".rstrip(), ""]
+        script = spec.get("script", f"bench_{bench}.py")
+        lines += [f"`benchmarks/{script}`: {spec.get('what', '')}".rstrip(), ""]
         for machine, (path, payload) in machines.items():
             rel = os.path.abspath(path)
             if rel.startswith(ROOT + os.sep):
