@@ -10,7 +10,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from helpers import directional_fd
-from kalman_helpers import _at, BACKENDS, build, filter_reference
+from kalman_helpers import (
+    _at,
+    assert_filtered,
+    BACKENDS,
+    build,
+    case,
+    filter_reference,
+    reference,
+)
 
 import eqx_seq
 
@@ -193,9 +201,18 @@ def _covariance_form(kf):
     )  # fmt: skip
 
 
-def test_covariance_form_fails_where_square_root_holds():
-    """What the square-root filter is for: the covariance form (kept behind
-    `_square_root=False` for comparisons) in float32 on the stiff tracker."""
+def test_covariance_form():
+    """The covariance form kept behind `_square_root=False` (the benchmark's
+    comparison) is the textbook filter on a non-stiff model with every feature,
+    and fails, in float32, where the square-root form holds: the stiff tracker."""
+    model, ys, us = case("all")
+    f, sm, _, _ = reference(model, ys, us)
+    tol = dict(rtol=1e-7, atol=1e-9)
+    for name, scan in BACKENDS.items():
+        cov = _covariance_form(build(model, scan))
+        assert_filtered(cov.filter(ys, us=us), f, **tol)
+        if name == "sequential":  # the smoother factors its covariances
+            np.testing.assert_allclose(cov.smooth(ys, us=us).means, sm, **tol)
     model, ys = tracker()
     ys32 = ys.astype(np.float32)
     ref = filter_reference(model, ys32.astype(np.float64))["ll"].sum()

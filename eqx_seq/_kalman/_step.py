@@ -41,9 +41,8 @@ def _update(m: Array, P: Array, y: Array, Hw: Array, obs: Array):
     """Condition `N(m, P)` on `y = Hw x + e`, `e ~ N(0, I)`, one entry at a time.
 
     Returns the filtered mean and covariance, the log-density of the observed
-    entries of `y` (without the whitening log-determinant), and what the
-    smoother needs of each scalar update: the gains `k_j`, innovations `e_j` and
-    innovation variances `s_j`.
+    entries of `y` (without the whitening log-determinant), and each scalar
+    update's gain `k_j`, innovation `e_j` and innovation variance `s_j`.
     """
     ll = jnp.zeros((), m.dtype)
     ks, es, ss = [], [], []
