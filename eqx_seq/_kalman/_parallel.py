@@ -105,7 +105,7 @@ def _cov_combine(earlier, later):
     return A, b, C, eta, J
 
 
-def _first_step(problem: _Problem):
+def _transitions(problem: _Problem):
     """Every step's `F`, `mu` (the control's `B u`) and the factor of the noise
     covariance `Sigma` given `x_{t-1}`; step 1 with the prior folded in (no
     dependence on `x_0`: `F = 0`, and its prediction from the prior)."""
@@ -128,7 +128,7 @@ def _sqrt_elements(problem: _Problem):
     is `[[S^{1/2}, 0], [Sigma Hw^T S^{-T/2}, U]]`: the gain `K = Sigma Hw^T S^{-1}`
     and `C = Sigma - K S K^T` without cancellation; `Z = F^T Hw^T S^{-T/2}`.
     """
-    F, mu, L_Sigma = _first_step(problem)
+    F, mu, L_Sigma = _transitions(problem)
     p = problem.yw.shape[1]
     n = F.shape[-1]
 
