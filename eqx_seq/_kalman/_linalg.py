@@ -249,9 +249,9 @@ def _gram_schmidt(A: Array, loop: bool = False) -> tuple[Array, Array]:
     call (`docs/devdocs/kalman.md`, "Small factorisations without LAPACK").
     Unrolled, the rows still to do shrink at every step; with `loop`, a `lax.scan`
     over the rows keeps every array whole (masked): more arithmetic, but a program,
-    and a derivative, many times quicker to compile inside the sequential filter's
-    loop. A row that is zero after the projections (rank deficiency) gives a zero
-    column of `L` and of `Q`.
+    and a derivative, quicker to compile inside the sequential filter's loop. A row
+    that is zero after the projections (rank deficiency) gives a zero column of `L`
+    and of `Q`.
     """
     m = A.shape[-2]
     if not loop:
@@ -293,8 +293,9 @@ def tria(
     The square-root filter's building block: `tria([F L, L_Q])` is a factor of
     `F L L^T F^T + Q`. Differentiated by autodiff through the Gram-Schmidt steps,
     which is as accurate as they are: the rule from the Gramian,
-    `dL = L Phi(L^{-1} dA Q + ...)`, divides by the factor's small diagonal and
-    lost five digits (float64) on stiff models. `loop`: see `_gram_schmidt`.
+    `dL = L Phi(L^{-1} dA Q + ...)`, divides by the factor's small diagonal, which
+    lost accuracy on stiff models (`docs/devdocs/kalman.md`, "Square-root filter").
+    `loop`: see `_gram_schmidt`.
     """
     return _gram_schmidt(A, loop)[0]
 
