@@ -30,7 +30,7 @@ from ._sqrt import sqrt_update, whitened_log_density
 from ._step import _predict, _predicted_covs, _update
 
 
-def _cov_elements(problem: _Problem):
+def _filter_elements(problem: _Problem):
     """Särkkä & García-Fernández filtering elements `(A, b, C, eta, J)`, all steps
     (covariance form).
 
@@ -76,7 +76,7 @@ def _cov_elements(problem: _Problem):
     return jax.vmap(element)(F, mu, Sigma, Hw, yw)
 
 
-def _cov_combine(earlier, later):
+def _combine_filter(earlier, later):
     """`p(x_k | x_i, y_{i+1..k})` from the elements over `(i, j]` and `(j, k]`.
 
     The paper's `(I + C_i J_j)^{-1}` is applied through Cholesky factors only:
@@ -220,8 +220,8 @@ def filter_parallel(
         Ps = _sym(Ls @ _mT(Ls))
         Pps = _predicted_covs(model, Ps)
     else:
-        elements = _cov_elements(problem)
-        _, ms, Ps, _, _ = scan.associative_scan(jax.vmap(_cov_combine), elements)
+        elements = _filter_elements(problem)
+        _, ms, Ps, _, _ = scan.associative_scan(jax.vmap(_combine_filter), elements)
         mps, Pps = _predictions(problem, ms, Ps)
         _, _, lls, _ = jax.vmap(_update)(mps, Pps, problem.yw, problem.Hw, problem.obs)
         Ls = _chol(Ps)
