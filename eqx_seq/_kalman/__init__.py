@@ -1,6 +1,8 @@
 """The Kalman filter: the layer and its results.
 
 Read top-down: `_layer` (the layer) -> `_fisher` (the log-likelihood's gradient) ->
+`_forecast`, `_posterior_sample`, `_streaming` (forecasts, posterior paths, online
+filtering: built on the filter) ->
 `_dispatch` (backend and whitening) -> `_sequential` / `_parallel` (the filters and
 smoothers) -> `_steady` (the steady-state shortcut) -> `_step` (one filter step) ->
 `_problem` (the prepared observations) / `_parameters` -> `_linalg`.
@@ -9,5 +11,7 @@ smoothers) -> `_steady` (the steady-state shortcut) -> `_step` (one filter step)
 from ._layer import KalmanFilter as KalmanFilter
 from ._results import (
     KalmanFilterResult as KalmanFilterResult,
+    KalmanForecastResult as KalmanForecastResult,
     KalmanSmootherResult as KalmanSmootherResult,
+    KalmanState as KalmanState,
 )

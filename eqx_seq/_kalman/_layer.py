@@ -13,10 +13,26 @@ from .._misc import check_parameter_dtype, check_positive_int, full_precision
 from .._scan import AbstractScan, AutoScan
 from ._dispatch import backend, filter_, smooth
 from ._fisher import fisher_log_likelihood
+from ._forecast import check_forecast, forecast
 from ._linalg import _factor, _gram
 from ._parameters import _Parameters, parameters_from_matrices, random_parameters
+from ._posterior_sample import posterior_sample
 from ._problem import _model, _per_step
-from ._results import KalmanFilterResult, KalmanSmootherResult
+from ._results import (
+    KalmanFilterResult,
+    KalmanForecastResult,
+    KalmanSmootherResult,
+    KalmanState,
+)
+from ._streaming import (
+    check_control,
+    check_state,
+    check_time_invariant,
+    check_vector,
+    init_state,
+    predict,
+    update,
+)
 
 
 class KalmanFilter(eqx.Module):
@@ -201,7 +217,13 @@ class KalmanFilter(eqx.Module):
 
     def _inputs(self, ys: Any, us: Any, caller: str) -> tuple[Array, Array | None]:
         """Validate observations and controls; cast them to the parameters' dtype."""
-        dtype = self.m0.dtype
+        ys = self._observations(ys, caller)
+        T = ys.shape[0]
+        self._check_length(T, caller)
+        return ys, self._controls(us, T, caller)
+
+    def _observations(self, ys: Any, caller: str) -> Array:
+        """Validate observations (any length); cast them to the parameters' dtype."""
         ys = jnp.asarray(ys)
         if not jnp.issubdtype(ys.dtype, jnp.floating):
             raise ValueError(
@@ -214,9 +236,7 @@ class KalmanFilter(eqx.Module):
                 f"= (T, {self.obs_size}) with T >= 1, got {ys.shape}. Use `jax.vmap` "
                 "for a batch of sequences."
             )
-        T = ys.shape[0]
-        self._check_length(T, caller)
-        return ys.astype(dtype), self._controls(us, T, caller)
+        return ys.astype(self.m0.dtype)
 
     def _check_length(self, T: int, caller: str) -> None:
         if self.num_steps is not None and T != self.num_steps:
@@ -372,6 +392,139 @@ class KalmanFilter(eqx.Module):
         self._check_length(num_steps, "sample")
         us = self._controls(us, num_steps, "sample")
         return _sample_jit(self, key, num_steps, us)
+
+    @jax.named_scope("eqx_seq.KalmanFilter.forecast")
+    def forecast(
+        self,
+        ys: Float[ArrayLike, "T p"],
+        horizon: int,
+        *,
+        us: Float[ArrayLike, "T+horizon c"] | None = None,
+    ) -> KalmanForecastResult:
+        """Forecast the states and observations of the `horizon` steps after `ys`.
+
+        The exact predictive distributions: the filter's prediction step iterated
+        from the last filtered moments, with the observation noise `R` in the
+        observations' covariances.
+
+        **Arguments:**
+
+        - `ys`: observations, shape `(T, obs_size)`; NaN marks a missing entry.
+        - `horizon`: the number of steps to forecast, an int `>= 0`.
+        - `us`: controls, iff `control_size > 0`: those of the data's steps and
+            then of the forecast's, shape `(T + horizon, control_size)`.
+
+        **Returns:**
+
+        A [`eqx_seq.KalmanForecastResult`][]: `p(x_{T+h} | y_1..y_T)` and
+        `p(y_{T+h} | y_1..y_T)` for `h = 1..horizon`.
+
+        A time-varying model has matrices for its `num_steps` steps only: with it,
+        `ys` may be shorter than `num_steps`, and `T + horizon <= num_steps`.
+        """
+        ys, us = check_forecast(self, ys, us, horizon)
+        return forecast(self, ys, us, horizon)
+
+    @jax.named_scope("eqx_seq.KalmanFilter.posterior_sample")
+    def posterior_sample(
+        self,
+        key: PRNGKeyArray,
+        ys: Float[ArrayLike, "T p"],
+        num_samples: int,
+        *,
+        us: Float[ArrayLike, "T c"] | None = None,
+    ) -> Float[Array, "num_samples T n"]:
+        """Draw state paths from the posterior `p(x_1..x_T | y_1..y_T)`.
+
+        Forward filtering, backward sampling (Frühwirth-Schnatter 1994; Carter &
+        Kohn 1994): backwards from `x_T`, each `x_t` is drawn given `x_{t+1}` and
+        the filtered moments of step `t`. A parallel backend composes these affine
+        draws with its `associative_scan`. The filter runs once for all samples.
+
+        **Arguments:**
+
+        - `key`: a `jax.random.key`.
+        - `ys`: observations, shape `(T, obs_size)`; NaN marks a missing entry.
+        - `num_samples`: the number of paths, an int `>= 1`.
+        - `us`: controls, shape `(T, control_size)`, iff `control_size > 0`.
+
+        **Returns:**
+
+        The paths `x_1..x_T`, shape `(num_samples, T, state_size)`.
+        """
+        check_positive_int("num_samples", num_samples)
+        ys, us = self._inputs(ys, us, "posterior_sample")
+        return posterior_sample(self, key, ys, us, num_samples)
+
+    def init_state(self) -> KalmanState:
+        """The state to start online filtering from: the prior `N(m0, P0)` and a
+        log-likelihood of zero.
+
+        `m0, P0` is the law of `x_0`, before the first observation: step `t` is
+        then `state = kf.predict(state)` followed by `state = kf.update(state,
+        y_t)`, which gives the numbers of [`eqx_seq.KalmanFilter.filter`][].
+
+        **Returns:**
+
+        An [`eqx_seq.KalmanState`][].
+
+        **Raises:**
+
+        `ValueError` for a time-varying model, whose matrices belong to given
+        steps: filter it as a whole sequence.
+        """
+        check_time_invariant(self, "init_state")
+        return init_state(self)
+
+    def predict(
+        self,
+        state: KalmanState,
+        *,
+        u: Float[ArrayLike, " c"] | None = None,
+    ) -> KalmanState:
+        """One transition of online filtering: `x_t = F x_{t-1} + B u_t + q_t`.
+
+        **Arguments:**
+
+        - `state`: an [`eqx_seq.KalmanState`][], about `x_{t-1}`.
+        - `u`: the controls `u_t`, shape `(control_size,)`, iff
+            `control_size > 0`.
+
+        **Returns:**
+
+        The predicted state, about `x_t` given the same observations; its
+        `log_likelihood` is unchanged.
+        """
+        check_time_invariant(self, "predict")
+        state = check_state(self, state, "predict")
+        return predict(self, state, check_control(self, u, "predict"))
+
+    def update(
+        self,
+        state: KalmanState,
+        y: Float[ArrayLike, " p"],
+        *,
+        u: Float[ArrayLike, " c"] | None = None,
+    ) -> KalmanState:
+        """Condition the state of online filtering on one observation `y_t`.
+
+        **Arguments:**
+
+        - `state`: an [`eqx_seq.KalmanState`][], the prediction of `x_t`.
+        - `y`: the observation `y_t`, shape `(obs_size,)`; NaN marks a missing
+            entry (a step with none leaves the state as it is).
+        - `u`: the controls `u_t` (for `D u_t`), shape `(control_size,)`, iff
+            `control_size > 0`.
+
+        **Returns:**
+
+        The filtered state, about `x_t` given the observations up to `y_t`, its
+        `log_likelihood` increased by `log p(y_t | y_1..y_{t-1})`.
+        """
+        check_time_invariant(self, "update")
+        state = check_state(self, state, "update")
+        y = check_vector(self, y, "y", self.obs_size, "update")
+        return update(self, state, y, check_control(self, u, "update"))
 
 
 @eqx.filter_jit
