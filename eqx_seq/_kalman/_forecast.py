@@ -94,4 +94,3 @@ def forecast(
     init = (filtered.means[-1], filtered.covs[-1])
     _, (ms, Ps, y, S) = lax.scan(step, init, xs, length=horizon)
     return KalmanForecastResult(ms, Ps, y, S)
-

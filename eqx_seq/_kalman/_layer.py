@@ -399,7 +399,7 @@ class KalmanFilter(eqx.Module):
         ys: Float[ArrayLike, "T p"],
         horizon: int,
         *,
-        us: Float[ArrayLike, "T+horizon c"] | None = None,
+        us: Float[ArrayLike, "T_all c"] | None = None,
     ) -> KalmanForecastResult:
         """Forecast the states and observations of the `horizon` steps after `ys`.
 

@@ -72,8 +72,7 @@ def check_control(kf: "KalmanFilter", u: Any, caller: str) -> Array | None:
     if c == 0:
         if u is not None:
             raise ValueError(
-                f"{_where(caller)}: got controls `u` but this model has "
-                "control_size=0."
+                f"{_where(caller)}: got controls `u` but this model has control_size=0."
             )
         return None
     if u is None:
