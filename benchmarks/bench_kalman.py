@@ -24,8 +24,17 @@ float32, one sequence, constant model; state 4 / obs 2 and state 16 / obs 8; T i
   subprocess with a timeout: long `lax.associative_scan` programs have stalled on
   this CPU (benchmarks/README.md).
 
+With `--extras`, instead: forecasts and posterior samples, timed against our own
+filter ("x filter": the filter of the same backend in the same run). For state 4 /
+obs 2 and 16 / 8, T in {1k, 10k}, sequential ("seq") and parallel ("par")
+backends: the filter, the smoother (for scale), `forecast(ys, 100)` and
+`posterior_sample(key, ys, 100)`; and one step of online filtering
+(`update(predict(state), y)`, called from Python: its latency, T-independent).
+Results in `results/<machine>/kalman_extras.json`.
+
     python benchmarks/bench_kalman.py            # a few minutes
     python benchmarks/bench_kalman.py --quick    # T=1k only, one size: a smoke test
+    python benchmarks/bench_kalman.py --extras   # forecasts and posterior samples
 """
 
 import argparse
@@ -146,17 +155,71 @@ def parallel(n, p, T, repeats, timeout, use_lax):
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+def extras_programs(n, p, T):
+    """Forecast and posterior sampling beside the filter, per backend."""
+    progs = {}
+    filt = eqx.filter_jit(lambda kf, ys: kf.filter(ys))
+    smooth = eqx.filter_jit(lambda kf, ys: kf.smooth(ys))
+    fc = eqx.filter_jit(lambda kf, ys: kf.forecast(ys, 100))
+    draw = eqx.filter_jit(lambda kf, key, ys: kf.posterior_sample(key, ys, 100))
+    for label, scan in (
+        ("seq", eqx_seq.SequentialScan()),
+        ("par", eqx_seq.AssociativeScan()),
+    ):
+        kf = model(n, p, scan)
+        _, ys = kf.sample(jr.key(1), T)
+        progs[f"{label}: filter"] = (filt, (kf, ys))
+        progs[f"{label}: smoother"] = (smooth, (kf, ys))
+        progs[f"{label}: forecast (h=100)"] = (fc, (kf, ys))
+        progs[f"{label}: posterior_sample (100)"] = (draw, (kf, jr.key(2), ys))
+    return progs
+
+
+def extras(args, info):
+    sizes = [(4, 2)] if args.quick else [(4, 2), (16, 8)]
+    lengths = [1000] if args.quick else [1000, 10_000]
+    payload = {"machine": info, "dtype": "float32", "runs": {}, "stream_step": {}}
+    print(
+        f"\n{'n/p':>5s} {'T':>6s} {'program':30s} {'ms':>9s} {'x filter':>8s} "
+        f"{'compile s':>9s}"
+    )
+    for n, p in sizes:
+        for T in lengths:
+            res = measure_many(extras_programs(n, p, T), repeats=args.repeats)
+            for name, r in res.items():
+                fwd = res[name.split(":")[0] + ": filter"]["median_ms"]
+                print(
+                    f"{n:>2d}/{p:<2d} {T:>6d} {name:30s} {r['median_ms']:9.2f} "
+                    f"{r['median_ms'] / fwd:8.2f} {r['first_call_s']:9.2f}"
+                )
+            payload["runs"][f"{n}/{p}/{T}"] = res
+        # online filtering: one predict + update from Python (dispatch included)
+        kf = model(n, p, eqx_seq.SequentialScan())
+        _, ys = kf.sample(jr.key(1), 1)
+        step = lambda kf, state, y: kf.update(kf.predict(state), y)
+        res = measure_many({"step": (step, (kf, kf.init_state(), ys[0]))}, min_time=0.2)
+        payload["stream_step"][f"{n}/{p}"] = res["step"]
+        print(
+            f"{n:>2d}/{p:<2d} {'-':>6s} {'stream: predict + update':30s} "
+            f"{res['step']['median_ms']:9.3f}"
+        )
+    write_json(args.json or results_path("kalman_extras"), payload)
+
+
 def main():
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--quick", action="store_true", help="T=1k, state 4 only")
+    parser.add_argument(
+        "--extras", action="store_true", help="forecasts and posterior samples"
+    )
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--parallel-timeout", type=float, default=120)
     parser.add_argument(
         "--json",
-        default=results_path("kalman"),
-        help="default: results/<machine>/kalman.json",
+        help="default: results/<machine>/kalman.json (kalman_extras.json with "
+        "--extras)",
     )
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -169,6 +232,9 @@ def main():
         f"jax {info['jax']}, float32"
     )
     print(allocator_line(info))
+    if args.extras:
+        extras(args, info)
+        return
     if lgssm_filter is None:
         print("dynamax not installed: its rows are skipped (pip install dynamax)")
     sizes = [(4, 2)] if args.quick else [(4, 2), (16, 8)]
@@ -220,7 +286,7 @@ def main():
             ll = ", ".join(f"{k} {v:.6g}" for k, v in check.items())
             print(f"{'':14s} log-likelihoods: {ll}")
             payload["runs"][f"{n}/{p}/{T}"] = {"seq": res, "par": pars, "loglik": check}
-    write_json(args.json, payload)
+    write_json(args.json or results_path("kalman"), payload)
 
 
 if __name__ == "__main__":
