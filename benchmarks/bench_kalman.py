@@ -30,7 +30,8 @@ obs 2 and 16 / 8, T in {1k, 10k}, sequential ("seq") and parallel ("par")
 backends: the filter, the smoother (for scale), `forecast(ys, 100)` and
 `posterior_sample(key, ys, 100)`; and one step of online filtering
 (`update(predict(state), y)`, called from Python: its latency, T-independent).
-Results in `results/<machine>/kalman_extras.json`.
+Each backend runs in a subprocess with a timeout (`--extras-timeout`). Results in
+`results/<machine>/kalman_extras.json`.
 
     python benchmarks/bench_kalman.py            # a few minutes
     python benchmarks/bench_kalman.py --quick    # T=1k only, one size: a smoke test
@@ -155,24 +156,27 @@ def parallel(n, p, T, repeats, timeout, use_lax):
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def extras_programs(n, p, T):
-    """Forecast and posterior sampling beside the filter, per backend."""
-    progs = {}
+def extras_programs(n, p, T, label):
+    """Forecast and posterior sampling beside the filter, on one backend."""
+    scan = {"seq": eqx_seq.SequentialScan(), "par": eqx_seq.AssociativeScan()}[label]
+    kf = model(n, p, scan)
+    _, ys = kf.sample(jr.key(1), T)
     filt = eqx.filter_jit(lambda kf, ys: kf.filter(ys))
     smooth = eqx.filter_jit(lambda kf, ys: kf.smooth(ys))
     fc = eqx.filter_jit(lambda kf, ys: kf.forecast(ys, 100))
     draw = eqx.filter_jit(lambda kf, key, ys: kf.posterior_sample(key, ys, 100))
-    for label, scan in (
-        ("seq", eqx_seq.SequentialScan()),
-        ("par", eqx_seq.AssociativeScan()),
-    ):
-        kf = model(n, p, scan)
-        _, ys = kf.sample(jr.key(1), T)
-        progs[f"{label}: filter"] = (filt, (kf, ys))
-        progs[f"{label}: smoother"] = (smooth, (kf, ys))
-        progs[f"{label}: forecast (h=100)"] = (fc, (kf, ys))
-        progs[f"{label}: posterior_sample (100)"] = (draw, (kf, jr.key(2), ys))
-    return progs
+    return {
+        f"{label}: filter": (filt, (kf, ys)),
+        f"{label}: smoother": (smooth, (kf, ys)),
+        f"{label}: forecast (h=100)": (fc, (kf, ys)),
+        f"{label}: posterior_sample (100)": (draw, (kf, jr.key(2), ys)),
+    }
+
+
+def extras_child(n, p, T, label, repeats):
+    """Run in a subprocess: one backend's programs, interleaved."""
+    res = measure_many(extras_programs(n, p, T, label), repeats=repeats)
+    print(json.dumps(res))
 
 
 def extras(args, info):
@@ -185,14 +189,35 @@ def extras(args, info):
     )
     for n, p in sizes:
         for T in lengths:
-            res = measure_many(extras_programs(n, p, T), repeats=args.repeats)
-            for name, r in res.items():
-                fwd = res[name.split(":")[0] + ": filter"]["median_ms"]
-                print(
-                    f"{n:>2d}/{p:<2d} {T:>6d} {name:30s} {r['median_ms']:9.2f} "
-                    f"{r['median_ms'] / fwd:8.2f} {r['first_call_s']:9.2f}"
-                )
-            payload["runs"][f"{n}/{p}/{T}"] = res
+            run = payload["runs"][f"{n}/{p}/{T}"] = {}
+            for label in ("seq", "par"):
+                # a subprocess with a timeout: batched LAPACK calls (the parallel
+                # filter's) have stalled on this CPU's thread pool
+                child = f"{n},{p},{T},{label},{args.repeats}"
+                cmd = [sys.executable, __file__, "--extras-child", child]
+                try:
+                    out = subprocess.run(
+                        cmd,
+                        capture_output=True,
+                        text=True,
+                        timeout=args.extras_timeout,
+                    )
+                except subprocess.TimeoutExpired:
+                    run[label] = {"status": f"timed out after {args.extras_timeout} s"}
+                    print(f"{n:>2d}/{p:<2d} {T:>6d} {label}: {run[label]['status']}")
+                    continue
+                if out.returncode != 0:
+                    msg = "failed: " + out.stderr.strip().splitlines()[-1]
+                    run[label] = {"status": msg}
+                    print(f"{n:>2d}/{p:<2d} {T:>6d} {label}: {msg}")
+                    continue
+                res = run[label] = json.loads(out.stdout.strip().splitlines()[-1])
+                fwd = res[f"{label}: filter"]["median_ms"]
+                for name, r in res.items():
+                    print(
+                        f"{n:>2d}/{p:<2d} {T:>6d} {name:30s} {r['median_ms']:9.2f} "
+                        f"{r['median_ms'] / fwd:8.2f} {r['first_call_s']:9.2f}"
+                    )
         # online filtering: one predict + update from Python (dispatch included)
         kf = model(n, p, eqx_seq.SequentialScan())
         _, ys = kf.sample(jr.key(1), 1)
@@ -221,10 +246,16 @@ def main():
         help="default: results/<machine>/kalman.json (kalman_extras.json with "
         "--extras)",
     )
+    parser.add_argument("--extras-timeout", type=float, default=600)
     parser.add_argument("--child", help=argparse.SUPPRESS)
+    parser.add_argument("--extras-child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         parallel_child(*map(int, args.child.split(",")))
+        return
+    if args.extras_child:
+        n, p, T, label, repeats = args.extras_child.split(",")
+        extras_child(int(n), int(p), int(T), label, int(repeats))
         return
     info = machine()
     print(
