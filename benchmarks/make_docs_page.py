@@ -82,6 +82,15 @@ BENCHES = {
         panels=2,
         can_plot=solvers.kalman_can_plot,
     ),
+    "kalman_extras": dict(
+        title="Kalman filter: forecasts and posterior samples",
+        script="bench_kalman.py --extras",
+        what="`KalmanFilter.forecast` (100 steps) and `posterior_sample` (100 "
+        "paths) against our own filter, on both backends; one step of online "
+        "filtering.",
+        tables=solvers.kalman_extras_tables,
+        summary=solvers.kalman_extras_summary,
+    ),
 }
 
 
@@ -201,7 +210,8 @@ def render(results, out, plots=True):
     for bench, machines in data.items():
         spec = BENCHES.get(bench, {})
         lines += [f"## {spec.get('title', bench)}", ""]
-        lines += [f"`benchmarks/bench_{bench}.py`: {spec.get('what', '')}".rstrip(), ""]
+        script = spec.get("script", f"bench_{bench}.py")
+        lines += [f"`benchmarks/{script}`: {spec.get('what', '')}".rstrip(), ""]
         for machine, (path, payload) in machines.items():
             rel = os.path.abspath(path)
             if rel.startswith(ROOT + os.sep):
