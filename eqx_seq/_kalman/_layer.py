@@ -13,6 +13,7 @@ from .._misc import check_parameter_dtype, check_positive_int, full_precision
 from .._scan import AbstractScan, AutoScan
 from ._dispatch import backend, filter_, smooth
 from ._fisher import fisher_log_likelihood
+from ._initial import check_options, Initialization, prior, PriorAt
 from ._linalg import _factor, _gram
 from ._parameters import _Parameters, parameters_from_matrices, random_parameters
 from ._problem import _model, _per_step
@@ -69,6 +70,8 @@ class KalmanFilter(eqx.Module):
     obs_size: int = eqx.field(static=True)
     control_size: int = eqx.field(static=True)
     num_steps: int | None = eqx.field(static=True)
+    prior_at: PriorAt = eqx.field(static=True)
+    initialization: Initialization = eqx.field(static=True)
     # False: every step of the sequential filter exact (for comparisons)
     _steady_state: bool = eqx.field(static=True, repr=False)
 
@@ -79,6 +82,8 @@ class KalmanFilter(eqx.Module):
         *,
         control_size: int = 0,
         scan: AbstractScan = AutoScan(),
+        prior_at: PriorAt = "x0",
+        initialization: Initialization = "known",
         dtype: Any = None,
         key: PRNGKeyArray,
         _parameters: _Parameters | None = None,
@@ -90,6 +95,13 @@ class KalmanFilter(eqx.Module):
         - `obs_size`: the size `p` of the observations `y_t`.
         - `control_size`: the size `c` of the controls `u_t`; `0` for none.
         - `scan`: the backend, see the class docstring.
+        - `prior_at`: `"x0"` (the prior `(m0, P0)` is the law of `x_0`, the state
+            before the first observation) or `"x1"` (the law of `x_1`, the first
+            observed state, as in dynamax, pykalman and statsmodels).
+        - `initialization`: `"known"` (the prior is `(m0, P0)`), `"stationary"`
+            (the stationary law of a stable time-invariant model: mean zero, `P0`
+            solving `P0 = F P0 F^T + Q`) or `"diffuse"` (exact diffuse: an
+            infinite-variance prior). With the last two `m0` and `P0` are unused.
         - `dtype`: the parameters' dtype, float32 or float64 (default: JAX's
             default floating dtype).
         - `key`: a `jax.random.key` for the initialisation.
@@ -118,6 +130,8 @@ class KalmanFilter(eqx.Module):
         self.Q_factor, self.R_factor = a.Q_factor, a.R_factor
         self.P0_factor = a.P0_factor
         self.num_steps = a.num_steps
+        check_options(prior_at, initialization, a.F.ndim > 2 or a.Q_factor.ndim > 2)
+        self.prior_at, self.initialization = prior_at, initialization
         self.scan = scan
         self.state_size, self.obs_size, self.control_size = n, p, c
         self._steady_state = _steady_state
@@ -135,6 +149,8 @@ class KalmanFilter(eqx.Module):
         B: Float[ArrayLike, "n c"] | None = None,
         D: Float[ArrayLike, "p c"] | None = None,
         scan: AbstractScan = AutoScan(),
+        prior_at: PriorAt = "x0",
+        initialization: Initialization = "known",
         dtype: Any = None,
     ) -> "KalmanFilter":
         """A Kalman filter for a given model.
@@ -146,10 +162,12 @@ class KalmanFilter(eqx.Module):
         - `Q`, `R`: the transition and observation noise covariances, `(n, n)` /
             `(p, p)` or with a leading `T`; symmetric positive definite.
         - `m0`, `P0`: mean and covariance of `x_0`, the state before the first
-            observation.
+            observation (of `x_1` with `prior_at="x1"`); unused, but checked, with
+            `initialization="stationary"` or `"diffuse"`.
         - `B`, `D`: optional control matrices `(n, c)` and `(p, c)`; give one or
             both to use controls (the missing one is zero).
         - `scan`: the backend, see the class docstring.
+        - `prior_at`, `initialization`: as in `__init__`.
         - `dtype`: the parameters' dtype; default: the common dtype of the inputs
             (floating).
 
@@ -175,6 +193,8 @@ class KalmanFilter(eqx.Module):
             p,
             control_size=c,
             scan=scan,
+            prior_at=prior_at,
+            initialization=initialization,
             dtype=params.F.dtype,
             key=None,
             _parameters=params,
@@ -194,8 +214,13 @@ class KalmanFilter(eqx.Module):
 
     @property
     def P0(self) -> Float[Array, "n n"]:
-        """The covariance of `x_0` (from `P0_factor`)."""
-        return _gram(_factor(self.P0_factor))
+        """The prior covariance (of `x_0`, or of `x_1` with `prior_at="x1"`): from
+        `P0_factor`, the stationary one with `initialization="stationary"`, and
+        infinite on the diagonal with `"diffuse"`."""
+        if self.initialization == "diffuse":
+            n = self.state_size
+            return jnp.diag(jnp.full((n,), jnp.inf, self.m0.dtype))
+        return _gram(prior(self)[1])
 
     # --- checks ---
 
@@ -369,6 +394,11 @@ class KalmanFilter(eqx.Module):
         `y_1..y_T`, shape `(T, obs_size)`.
         """
         check_positive_int("num_steps", num_steps)
+        if self.initialization == "diffuse":
+            raise ValueError(
+                "eqx_seq.KalmanFilter.sample: a diffuse prior (initialization="
+                '"diffuse") has no draws; use "known" or "stationary".'
+            )
         self._check_length(num_steps, "sample")
         us = self._controls(us, num_steps, "sample")
         return _sample_jit(self, key, num_steps, us)
@@ -409,11 +439,17 @@ def _sample_jit(kf: KalmanFilter, key, num_steps: int, us: Array | None):
         xs["Bu"] = us @ kf.B.T
         xs["Du"] = us @ kf.D.T
 
+    if kf.prior_at == "x1":
+        # the prior's draw is x_1 itself: step 1 has no transition
+        xs["first"] = jnp.arange(num_steps) == 0
+
     def step(x_prev, s):
         get = lambda name: s[name] if name in s else mats[name]
         x = get("F") @ x_prev + get("L_Q") @ s["q"]
         if "Bu" in s:
             x = x + s["Bu"]
+        if "first" in s:
+            x = jnp.where(s["first"], x_prev, x)
         y = get("H") @ x + get("L_R") @ s["r"]
         if "Du" in s:
             y = y + s["Du"]
