@@ -2,6 +2,7 @@
 "stationary" | "diffuse"), against the float64 NumPy filter, numbers from dynamax
 and statsmodels, and a Lyapunov solve."""
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import jax.random as jr
@@ -159,6 +160,93 @@ def test_prior_options_bad_input():
     with pytest.raises(ValueError, match="initialization"):
         eqx_seq.KalmanFilter(2, 1, initialization="approximate", key=jr.key(0))
     with pytest.raises(ValueError, match="initialization"):
-        eqx_seq.KalmanFilter.from_matrices(
-            F, H, Q, R, M0, P0, initialization="Diffuse"
+        eqx_seq.KalmanFilter.from_matrices(F, H, Q, R, M0, P0, initialization="Diffuse")
+
+
+def _statsmodels_llf(ys, F, H, Q, R):
+    """statsmodels' exact diffuse log-likelihood (every state diffuse)."""
+    from statsmodels.tsa.statespace.mlemodel import MLEModel
+
+    m = MLEModel(ys, k_states=F.shape[0], initialization="diffuse")
+    m["design"], m["transition"] = H, F
+    m["selection"] = np.eye(F.shape[0])
+    m["obs_cov"], m["state_cov"] = R, Q
+    return m.filter([]).llf
+
+
+def _nile():
+    import statsmodels.api as sm
+
+    return sm.datasets.nile.load_pandas().data["volume"].to_numpy(float)[:, None]
+
+
+LOCAL_LEVEL = (np.eye(1), np.eye(1), np.array([[1469.1]]), np.array([[15099.0]]))
+LOCAL_TREND = (
+    np.array([[1.0, 1.0], [0.0, 1.0]]),
+    np.array([[1.0, 0.0]]),
+    np.diag([1469.1, 10.0]),
+    np.array([[15099.0]]),
+)
+
+
+@pytest.mark.parametrize("backend", list(BACKENDS))
+@pytest.mark.parametrize("prior_at", ["x0", "x1"])
+@pytest.mark.parametrize("model", ["level", "trend", "trend_missing"])
+def test_diffuse_nile_matches_statsmodels(backend, prior_at, model):
+    F, H, Q, R = LOCAL_LEVEL if model == "level" else LOCAL_TREND
+    ys = _nile()
+    if model == "trend_missing":
+        ys = ys.copy()
+        ys[[0, 2, 50, 51]] = np.nan  # the diffuse part resolves later
+    kf = eqx_seq.KalmanFilter.from_matrices(
+        F, H, Q, R, np.zeros(len(F)), np.eye(len(F)),
+        initialization="diffuse", prior_at=prior_at, scan=BACKENDS[backend],
+    )  # fmt: skip
+    expected = _statsmodels_llf(ys, F, H, Q, R)
+    out = kf.filter(ys)
+    np.testing.assert_allclose(out.log_likelihood, expected, rtol=1e-10)
+    np.testing.assert_allclose(kf.log_likelihood(ys), expected, rtol=1e-10)
+    assert np.all(np.isfinite(out.means))
+    # the undetermined states have infinite variance until the data resolve them
+    assert np.all(np.isinf(np.diagonal(out.predicted_covs[0])))
+    if model != "level":
+        assert np.isinf(out.covs[0, 1, 1])  # one observation cannot fix a slope
+    assert np.all(np.isfinite(out.covs[3:]))
+
+
+def test_diffuse_gradient_against_finite_differences():
+    F, H, Q, R = LOCAL_TREND
+    ys = _nile()[:60]
+    kf = eqx_seq.KalmanFilter.from_matrices(
+        F, H, Q, R, np.zeros(2), np.eye(2), initialization="diffuse"
+    )
+    g = jax.grad(lambda kf: kf.log_likelihood(ys))(kf)
+    eps = 1e-6
+    for name in ("Q_factor", "R_factor"):
+        leaf = getattr(kf, name)
+        direction = np.tril(np.ones(leaf.shape))
+        step = lambda s: eqx.tree_at(
+            lambda k: getattr(k, name), kf, leaf + s * direction
         )
+        fd = (step(eps).log_likelihood(ys) - step(-eps).log_likelihood(ys)) / (2 * eps)
+        np.testing.assert_allclose(jnp.vdot(getattr(g, name), direction), fd, rtol=1e-5)
+    assert np.all(np.isfinite(g.F))
+
+
+def test_diffuse_bad_use():
+    F, H, Q, R = LOCAL_LEVEL
+    kf = eqx_seq.KalmanFilter.from_matrices(
+        F, H, Q, R, np.zeros(1), np.eye(1), initialization="diffuse"
+    )
+    with pytest.raises(NotImplementedError, match="diffuse"):
+        kf.smooth(_nile())
+    with pytest.raises(ValueError, match="diffuse"):
+        kf.sample(jr.key(0), 10)
+    assert np.isinf(kf.P0[0, 0])
+    # a state the observations never see stays diffuse: an error, not a wrong number
+    blind = eqx_seq.KalmanFilter.from_matrices(
+        np.eye(2), np.array([[1.0, 0.0]]), np.eye(2), np.eye(1), np.zeros(2),
+        np.eye(2), initialization="diffuse",
+    )  # fmt: skip
+    with pytest.raises(Exception, match="not resolved"):
+        blind.filter(np.ones((40, 1)))

@@ -243,6 +243,15 @@ class KalmanFilter(eqx.Module):
         self._check_length(T, caller)
         return ys.astype(dtype), self._controls(us, T, caller)
 
+    def _not_diffuse(self, caller: str) -> None:
+        if self.initialization == "diffuse":
+            raise NotImplementedError(
+                f"eqx_seq.KalmanFilter.{caller}: not available with "
+                'initialization="diffuse" (the exact diffuse smoother is not '
+                'implemented); use "known" with a large `P0` (approximately '
+                "diffuse)."
+            )
+
     def _check_length(self, T: int, caller: str) -> None:
         if self.num_steps is not None and T != self.num_steps:
             raise ValueError(
@@ -370,6 +379,7 @@ class KalmanFilter(eqx.Module):
         lag-one cross-covariances, and the filter's result.
         """
         ys, us = self._inputs(ys, us, "smooth")
+        self._not_diffuse("smooth")
         return _smooth_jit(self, ys, us)
 
     @jax.named_scope("eqx_seq.KalmanFilter.sample")
@@ -416,6 +426,9 @@ def _smooth_jit(kf: KalmanFilter, ys: Array, us: Array | None) -> KalmanSmoother
 
 @eqx.filter_jit
 def _log_likelihood_jit(kf: KalmanFilter, ys: Array, us: Array | None) -> Array:
+    if kf.initialization == "diffuse":
+        # Fisher's identity needs the smoother, which has no diffuse form here
+        return filter_(kf, ys, us, backend(kf.scan)).log_likelihood
     return fisher_log_likelihood(kf, ys, us, backend(kf.scan))
 
 
