@@ -30,11 +30,14 @@ def with_missing(ys):
 # --- forecast ---
 
 
-def np_forecast(model, ys, us, horizon):
-    """The last filtered moments, then the prediction step by hand, `R` added."""
+def np_forecast(model, ys, us, horizon, prior_at="x0", last=None):
+    """The last filtered moments (`last`, or the reference filter's), then the
+    prediction step by hand, `R` added."""
     T = len(ys)
-    f = filter_reference(model, ys, None if us is None else us[:T])
-    m, P = f["m"][-1], f["P"][-1]
+    if last is None:
+        f = filter_reference(model, ys, None if us is None else us[:T], prior_at)
+        last = f["m"][-1], f["P"][-1]
+    m, P = last
     out = {k: [] for k in ("m", "P", "y", "S")}
     for t in range(T, T + horizon):
         F, H = _at(model["F"], t), _at(model["H"], t)
@@ -48,23 +51,44 @@ def np_forecast(model, ys, us, horizon):
 
 
 @pytest.mark.parametrize(
-    "backend,name",
-    [("sequential", "plain"), ("sequential", "all"), ("associative", "all")],
+    "backend,name,prior_at",
+    [
+        ("sequential", "plain", "x0"),
+        ("sequential", "all", "x1"),
+        ("associative", "all", "x0"),
+    ],
 )
-def test_forecast_matches_reference(backend, name):
+def test_forecast_matches_reference(backend, name, prior_at):
     # "all": time-varying, controls, missing entries (the last step too); a
     # time-varying model forecasts its remaining steps from a shorter `ys`
     model, ys, us = case(name)
     T, horizon = (30, 7) if name == "all" else (len(ys), 12)
     if name == "plain":
         ys = with_missing(ys)
-    kf = build(model, BACKENDS[backend])
+    kf = build(model, BACKENDS[backend], prior_at=prior_at)
     out = kf.forecast(ys[:T], horizon, us=us)
-    ref = np_forecast(model, ys[:T], us, horizon)
+    ref = np_forecast(model, ys[:T], us, horizon, prior_at)
     assert isinstance(out, eqx_seq.KalmanForecastResult)
     np.testing.assert_allclose(out.means, ref["m"], **TOL)
     np.testing.assert_allclose(out.covs, ref["P"], **TOL)
     np.testing.assert_allclose(out.obs_means, ref["y"], **TOL)
+    np.testing.assert_allclose(out.obs_covs, ref["S"], **TOL)
+
+
+def test_forecast_after_a_diffuse_prior():
+    # a local linear trend from an exact diffuse prior: once the data determine
+    # the state, the forecast iterates from the (diffuse) filter's last moments
+    F = np.array([[1.0, 1.0], [0.0, 1.0]])
+    model = dict(F=F, H=np.array([[1.0, 0.0]]), Q=0.1 * np.eye(2), R=np.eye(1))
+    model.update(m0=np.zeros(2), P0=np.eye(2))
+    ys = np.sin(np.arange(20.0))[:, None]
+    ys[[0, 5]] = np.nan
+    kf = build(model, eqx_seq.SequentialScan(), initialization="diffuse")
+    f = kf.filter(ys)
+    out = kf.forecast(ys, 4)
+    ref = np_forecast(model, ys, None, 4, last=(f.means[-1], f.covs[-1]))
+    np.testing.assert_allclose(out.means, ref["m"], **TOL)
+    np.testing.assert_allclose(out.covs, ref["P"], **TOL)
     np.testing.assert_allclose(out.obs_covs, ref["S"], **TOL)
 
 
@@ -101,16 +125,16 @@ def z_scores(draws, means, covs, cross):
     return max(np.abs(z).max() for z in (z_mean, z_cov, z_lag))
 
 
-def test_posterior_samples_converge_to_the_smoother():
+@pytest.mark.parametrize("prior_at", ["x0", "x1"])
+def test_posterior_samples_converge_to_the_smoother(prior_at):
     # time-varying, controls, missing entries (and a missing last step); both
     # backends draw the same paths from one key, to round-off
     model, ys, us = case("all")
-    _, sm, sP, cross = reference(model, ys, us)
-    f = filter_reference(model, ys, us)
+    f, sm, sP, cross = reference(model, ys, us, prior_at)
     N = 4000
     draws = {}
     for backend in ("sequential", "associative"):
-        kf = build(model, BACKENDS[backend])
+        kf = build(model, BACKENDS[backend], prior_at=prior_at)
         draws[backend] = np.asarray(kf.posterior_sample(jr.key(0), ys, N, us=us))
         assert draws[backend].shape == (N, len(ys), 3)
         # ~650 statistics: a max |z| of 5 has chance below 1e-3 under the null
@@ -155,32 +179,49 @@ def test_posterior_sample_float32_is_finite():
 # --- online filtering ---
 
 
-def stream(kf, ys, us):
-    """init_state, then predict + update per step: every state along the way."""
+def stream(kf, ys, us, first_update=False):
+    """init_state, then predict + update per step (no predict at step 1 with
+    `first_update`): every state along the way."""
     state = kf.init_state()
     predicted, filtered = [], []
     for t in range(len(ys)):
         u = None if us is None else us[t]
-        state = kf.predict(state, u=u)
+        if t or not first_update:
+            state = kf.predict(state, u=u)
         predicted.append(state)
         state = kf.update(state, ys[t], u=u)
         filtered.append(state)
     return predicted, filtered
 
 
-@pytest.mark.parametrize("name", ["controls", "missing"])
-def test_streaming_matches_the_filter(name):
+@pytest.mark.parametrize(
+    "name,options",
+    [
+        ("controls", {}),
+        ("missing", {}),
+        ("controls", dict(prior_at="x1")),
+        ("missing", dict(prior_at="x1", initialization="stationary")),
+    ],
+)
+def test_streaming_matches_the_filter(name, options):
+    # with prior_at="x1" the prior is x_1's: the first call is `update`
     model, ys, us = case(name)
     ys = with_missing(ys)
     ys[-1] = np.nan
-    f = filter_reference(model, ys, us)
-    kf = build(model, eqx_seq.SequentialScan())
+    kf = build(model, eqx_seq.SequentialScan(), **options)
+    if options.get("initialization") == "stationary":
+        F, Q = model["F"], model["Q"]
+        n = len(F)
+        P = np.linalg.solve(np.eye(n * n) - np.kron(F, F), Q.ravel()).reshape(n, n)
+        model = {**model, "m0": np.zeros(n), "P0": P}
+    prior_at = options.get("prior_at", "x0")
+    f = filter_reference(model, ys, us, prior_at)
     state = kf.init_state()
     assert isinstance(state, eqx_seq.KalmanState)
     np.testing.assert_allclose(state.mean, model["m0"], **TOL)
     np.testing.assert_allclose(state.cov, model["P0"], **TOL)
     assert float(state.log_likelihood) == 0
-    predicted, filtered = stream(kf, ys, us)
+    predicted, filtered = stream(kf, ys, us, first_update=prior_at == "x1")
     np.testing.assert_allclose([s.mean for s in predicted], f["mp"], **TOL)
     np.testing.assert_allclose([s.cov for s in predicted], f["Pp"], **TOL)
     np.testing.assert_allclose([s.mean for s in filtered], f["m"], **TOL)
@@ -268,6 +309,18 @@ def test_bad_input():
         lambda: kft.update(kf.init_state(), ys[0]),
     ):
         with pytest.raises(ValueError, match="needs a time-invariant model"):
+            call()
+
+    # a diffuse prior: no smoother, so no posterior paths; no Gaussian state
+    kfd = eqx_seq.KalmanFilter(3, 2, initialization="diffuse", key=jr.key(0))
+    with pytest.raises(NotImplementedError, match="posterior_sample"):
+        kfd.posterior_sample(jr.key(0), ys, 2)
+    for call in (
+        kfd.init_state,
+        lambda: kfd.predict(kf.init_state()),
+        lambda: kfd.update(kf.init_state(), ys[0]),
+    ):
+        with pytest.raises(NotImplementedError, match='initialization="diffuse"'):
             call()
 
     # streaming: the state, the observation and the controls

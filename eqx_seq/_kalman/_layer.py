@@ -14,6 +14,7 @@ from .._scan import AbstractScan, AutoScan
 from ._dispatch import backend, filter_, smooth
 from ._fisher import fisher_log_likelihood
 from ._forecast import check_forecast, forecast
+from ._initial import check_options, Initialization, prior, PriorAt
 from ._linalg import _factor, _gram
 from ._parameters import _Parameters, parameters_from_matrices, random_parameters
 from ._posterior_sample import posterior_sample
@@ -27,7 +28,7 @@ from ._results import (
 from ._streaming import (
     check_control,
     check_state,
-    check_time_invariant,
+    check_streamable,
     check_vector,
     init_state,
     predict,
@@ -39,7 +40,8 @@ class KalmanFilter(eqx.Module):
     r"""A linear-Gaussian state-space model: Kalman filter, RTS smoother, sampler.
 
     The model, for steps `t = 1, ..., T` (row `t - 1` of every array), starting
-    from `x_0 ~ N(m0, P0)` (before the first observation):
+    from `x_0 ~ N(m0, P0)` (before the first observation; `prior_at="x1"` puts the
+    prior on `x_1`, and `initialization` may make it stationary or diffuse):
 
     $$x_t = F_t x_{t-1} + B u_t + q_t, \quad q_t \sim N(0, Q_t)$$
     $$y_t = H_t x_t + D u_t + r_t, \quad r_t \sim N(0, R_t)$$
@@ -85,6 +87,8 @@ class KalmanFilter(eqx.Module):
     obs_size: int = eqx.field(static=True)
     control_size: int = eqx.field(static=True)
     num_steps: int | None = eqx.field(static=True)
+    prior_at: PriorAt = eqx.field(static=True)
+    initialization: Initialization = eqx.field(static=True)
     # False: every step of the sequential filter exact (for comparisons)
     _steady_state: bool = eqx.field(static=True, repr=False)
 
@@ -95,6 +99,8 @@ class KalmanFilter(eqx.Module):
         *,
         control_size: int = 0,
         scan: AbstractScan = AutoScan(),
+        prior_at: PriorAt = "x0",
+        initialization: Initialization = "known",
         dtype: Any = None,
         key: PRNGKeyArray,
         _parameters: _Parameters | None = None,
@@ -106,6 +112,13 @@ class KalmanFilter(eqx.Module):
         - `obs_size`: the size `p` of the observations `y_t`.
         - `control_size`: the size `c` of the controls `u_t`; `0` for none.
         - `scan`: the backend, see the class docstring.
+        - `prior_at`: `"x0"` (the prior `(m0, P0)` is the law of `x_0`, the state
+            before the first observation) or `"x1"` (the law of `x_1`, the first
+            observed state, as in dynamax, pykalman and statsmodels).
+        - `initialization`: `"known"` (the prior is `(m0, P0)`), `"stationary"`
+            (the stationary law of a stable time-invariant model: mean zero, `P0`
+            solving `P0 = F P0 F^T + Q`) or `"diffuse"` (exact diffuse: an
+            infinite-variance prior). With the last two `m0` and `P0` are unused.
         - `dtype`: the parameters' dtype, float32 or float64 (default: JAX's
             default floating dtype).
         - `key`: a `jax.random.key` for the initialisation.
@@ -134,6 +147,8 @@ class KalmanFilter(eqx.Module):
         self.Q_factor, self.R_factor = a.Q_factor, a.R_factor
         self.P0_factor = a.P0_factor
         self.num_steps = a.num_steps
+        check_options(prior_at, initialization, a.F.ndim > 2 or a.Q_factor.ndim > 2)
+        self.prior_at, self.initialization = prior_at, initialization
         self.scan = scan
         self.state_size, self.obs_size, self.control_size = n, p, c
         self._steady_state = _steady_state
@@ -151,6 +166,8 @@ class KalmanFilter(eqx.Module):
         B: Float[ArrayLike, "n c"] | None = None,
         D: Float[ArrayLike, "p c"] | None = None,
         scan: AbstractScan = AutoScan(),
+        prior_at: PriorAt = "x0",
+        initialization: Initialization = "known",
         dtype: Any = None,
     ) -> "KalmanFilter":
         """A Kalman filter for a given model.
@@ -162,10 +179,12 @@ class KalmanFilter(eqx.Module):
         - `Q`, `R`: the transition and observation noise covariances, `(n, n)` /
             `(p, p)` or with a leading `T`; symmetric positive definite.
         - `m0`, `P0`: mean and covariance of `x_0`, the state before the first
-            observation.
+            observation (of `x_1` with `prior_at="x1"`); unused, but checked, with
+            `initialization="stationary"` or `"diffuse"`.
         - `B`, `D`: optional control matrices `(n, c)` and `(p, c)`; give one or
             both to use controls (the missing one is zero).
         - `scan`: the backend, see the class docstring.
+        - `prior_at`, `initialization`: as in `__init__`.
         - `dtype`: the parameters' dtype; default: the common dtype of the inputs
             (floating).
 
@@ -191,6 +210,8 @@ class KalmanFilter(eqx.Module):
             p,
             control_size=c,
             scan=scan,
+            prior_at=prior_at,
+            initialization=initialization,
             dtype=params.F.dtype,
             key=None,
             _parameters=params,
@@ -210,8 +231,13 @@ class KalmanFilter(eqx.Module):
 
     @property
     def P0(self) -> Float[Array, "n n"]:
-        """The covariance of `x_0` (from `P0_factor`)."""
-        return _gram(_factor(self.P0_factor))
+        """The prior covariance (of `x_0`, or of `x_1` with `prior_at="x1"`): from
+        `P0_factor`, the stationary one with `initialization="stationary"`, and
+        infinite on the diagonal with `"diffuse"`."""
+        if self.initialization == "diffuse":
+            n = self.state_size
+            return jnp.diag(jnp.full((n,), jnp.inf, self.m0.dtype))
+        return _gram(prior(self)[1])
 
     # --- checks ---
 
@@ -237,6 +263,15 @@ class KalmanFilter(eqx.Module):
                 "for a batch of sequences."
             )
         return ys.astype(self.m0.dtype)
+
+    def _not_diffuse(self, caller: str) -> None:
+        if self.initialization == "diffuse":
+            raise NotImplementedError(
+                f"eqx_seq.KalmanFilter.{caller}: not available with "
+                'initialization="diffuse" (the exact diffuse smoother is not '
+                'implemented); use "known" with a large `P0` (approximately '
+                "diffuse)."
+            )
 
     def _check_length(self, T: int, caller: str) -> None:
         if self.num_steps is not None and T != self.num_steps:
@@ -365,6 +400,7 @@ class KalmanFilter(eqx.Module):
         lag-one cross-covariances, and the filter's result.
         """
         ys, us = self._inputs(ys, us, "smooth")
+        self._not_diffuse("smooth")
         return _smooth_jit(self, ys, us)
 
     @jax.named_scope("eqx_seq.KalmanFilter.sample")
@@ -389,6 +425,11 @@ class KalmanFilter(eqx.Module):
         `y_1..y_T`, shape `(T, obs_size)`.
         """
         check_positive_int("num_steps", num_steps)
+        if self.initialization == "diffuse":
+            raise ValueError(
+                "eqx_seq.KalmanFilter.sample: a diffuse prior (initialization="
+                '"diffuse") has no draws; use "known" or "stationary".'
+            )
         self._check_length(num_steps, "sample")
         us = self._controls(us, num_steps, "sample")
         return _sample_jit(self, key, num_steps, us)
@@ -454,15 +495,20 @@ class KalmanFilter(eqx.Module):
         """
         check_positive_int("num_samples", num_samples)
         ys, us = self._inputs(ys, us, "posterior_sample")
+        self._not_diffuse("posterior_sample")
         return posterior_sample(self, key, ys, us, num_samples)
 
     def init_state(self) -> KalmanState:
-        """The state to start online filtering from: the prior `N(m0, P0)` and a
-        log-likelihood of zero.
+        """The state to start online filtering from: the prior and a log-likelihood
+        of zero.
 
-        `m0, P0` is the law of `x_0`, before the first observation: step `t` is
-        then `state = kf.predict(state)` followed by `state = kf.update(state,
-        y_t)`, which gives the numbers of [`eqx_seq.KalmanFilter.filter`][].
+        With `prior_at="x0"` the prior is the law of `x_0`, before the first
+        observation: every step `t` is `state = kf.predict(state)` then `state =
+        kf.update(state, y_t)`. With `prior_at="x1"` it is the law of `x_1`: the
+        first call is `update` (with `y_1`), then `predict` and `update` for every
+        later step. Either way the states are those of
+        [`eqx_seq.KalmanFilter.filter`][], step by step. With
+        `initialization="stationary"` the prior is the stationary law.
 
         **Returns:**
 
@@ -471,9 +517,10 @@ class KalmanFilter(eqx.Module):
         **Raises:**
 
         `ValueError` for a time-varying model, whose matrices belong to given
-        steps: filter it as a whole sequence.
+        steps (filter it as a whole sequence); `NotImplementedError` with
+        `initialization="diffuse"`.
         """
-        check_time_invariant(self, "init_state")
+        check_streamable(self, "init_state")
         return init_state(self)
 
     def predict(
@@ -495,7 +542,7 @@ class KalmanFilter(eqx.Module):
         The predicted state, about `x_t` given the same observations; its
         `log_likelihood` is unchanged.
         """
-        check_time_invariant(self, "predict")
+        check_streamable(self, "predict")
         state = check_state(self, state, "predict")
         return predict(self, state, check_control(self, u, "predict"))
 
@@ -521,7 +568,7 @@ class KalmanFilter(eqx.Module):
         The filtered state, about `x_t` given the observations up to `y_t`, its
         `log_likelihood` increased by `log p(y_t | y_1..y_{t-1})`.
         """
-        check_time_invariant(self, "update")
+        check_streamable(self, "update")
         state = check_state(self, state, "update")
         y = check_vector(self, y, "y", self.obs_size, "update")
         return update(self, state, y, check_control(self, u, "update"))
@@ -539,6 +586,9 @@ def _smooth_jit(kf: KalmanFilter, ys: Array, us: Array | None) -> KalmanSmoother
 
 @eqx.filter_jit
 def _log_likelihood_jit(kf: KalmanFilter, ys: Array, us: Array | None) -> Array:
+    if kf.initialization == "diffuse":
+        # Fisher's identity needs the smoother, which has no diffuse form here
+        return filter_(kf, ys, us, backend(kf.scan)).log_likelihood
     return fisher_log_likelihood(kf, ys, us, backend(kf.scan))
 
 
@@ -562,11 +612,17 @@ def _sample_jit(kf: KalmanFilter, key, num_steps: int, us: Array | None):
         xs["Bu"] = us @ kf.B.T
         xs["Du"] = us @ kf.D.T
 
+    if kf.prior_at == "x1":
+        # the prior's draw is x_1 itself: step 1 has no transition
+        xs["first"] = jnp.arange(num_steps) == 0
+
     def step(x_prev, s):
         get = lambda name: s[name] if name in s else mats[name]
         x = get("F") @ x_prev + get("L_Q") @ s["q"]
         if "Bu" in s:
             x = x + s["Bu"]
+        if "first" in s:
+            x = jnp.where(s["first"], x_prev, x)
         y = get("H") @ x + get("L_R") @ s["r"]
         if "Du" in s:
             y = y + s["Du"]

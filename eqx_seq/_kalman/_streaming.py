@@ -22,12 +22,19 @@ def _where(caller: str) -> str:
     return f"eqx_seq.KalmanFilter.{caller}"
 
 
-def check_time_invariant(kf: "KalmanFilter", caller: str) -> None:
+def check_streamable(kf: "KalmanFilter", caller: str) -> None:
+    """A time-invariant model with a proper prior, or an error that says why not."""
     if kf.num_steps is not None:
         raise ValueError(
             f"{_where(caller)}: online filtering needs a time-invariant model; this "
             f"one is time-varying with {kf.num_steps} steps. Build one "
             "`KalmanFilter.from_matrices` per step, or filter the whole sequence."
+        )
+    if kf.initialization == "diffuse":
+        raise NotImplementedError(
+            f'{_where(caller)}: not available with initialization="diffuse" (a '
+            "`KalmanState` holds a proper Gaussian); filter the whole sequence, or "
+            'use "known" with a large `P0` (approximately diffuse).'
         )
 
 
@@ -85,7 +92,8 @@ def check_control(kf: "KalmanFilter", u: Any, caller: str) -> Array | None:
 
 @eqx.filter_jit
 def init_state(kf: "KalmanFilter") -> KalmanState:
-    """The prior `N(m0, P0)`, with nothing observed yet."""
+    """The prior, with nothing observed yet: the law of `x_0` or of `x_1`
+    (`prior_at`), known or stationary (`initialization`), as the filter starts."""
     model = _model(kf)
     zero = jnp.zeros((), model.m0.dtype)
     return KalmanState(model.m0, _gram(model.L_P0), zero)
