@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import jax.random as jr
 import numpy as np
 import pytest
+from helpers import directional_fd
 from jaxtyping import jaxtyped
 from kalman_helpers import _at, BACKENDS, build, case, filter_reference, reference
 
@@ -166,6 +167,7 @@ def test_posterior_sample_jit_vmap_and_length_one():
         assert x.shape == (4000, 3) and np.abs(z).max() < 4.5
 
 
+@pytest.mark.slow  # a smoke test: two more float32 compilations
 def test_posterior_sample_float32_is_finite():
     kf = eqx_seq.KalmanFilter(4, 2, dtype=jnp.float32, key=jr.key(0))
     _, ys = kf.sample(jr.key(1), 200)
@@ -174,6 +176,26 @@ def test_posterior_sample_float32_is_finite():
         kf = eqx.tree_at(lambda k: k.scan, kf, scan)
         out = kf.posterior_sample(jr.key(2), ys, 8)
         assert out.dtype == jnp.float32 and bool(jnp.all(jnp.isfinite(out)))
+
+
+def test_gradients_match_finite_differences():
+    # plain autodiff through the filter, the forecast and the backward draws
+    # (pathwise: a fixed key makes the draws smooth functions of the model)
+    model, ys, us = case("controls")
+    ys = with_missing(ys)
+    kf = build(model, eqx_seq.SequentialScan())
+    params, static = eqx.partition(kf, eqx.is_inexact_array)
+    direction = jax.tree.map(lambda x: jr.normal(jr.key(3), x.shape, x.dtype), params)
+
+    def loss(params):
+        kf = eqx.combine(params, static)
+        fc = kf.forecast(ys, 3, us=np.concatenate([us, us[:3]]))
+        draws = kf.posterior_sample(jr.key(4), ys, 2, us=us)
+        return jnp.sum(fc.obs_means) + jnp.sum(fc.obs_covs) + jnp.sum(draws**2)
+
+    grad = jax.grad(loss)(params)
+    ad = sum(jnp.sum(g * d) for g, d in zip(*map(jax.tree.leaves, (grad, direction))))
+    np.testing.assert_allclose(ad, directional_fd(loss, params, direction), rtol=1e-6)
 
 
 # --- online filtering ---
