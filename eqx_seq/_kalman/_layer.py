@@ -12,6 +12,8 @@ from jaxtyping import Array, ArrayLike, Float, PRNGKeyArray
 from .._misc import check_parameter_dtype, check_positive_int, full_precision
 from .._scan import AbstractScan, AutoScan
 from ._dispatch import backend, filter_, smooth
+from ._em import fit_em
+from ._em_spec import check_data, fixed_spec
 from ._fisher import fisher_log_likelihood
 from ._linalg import _factor, _gram
 from ._parameters import _Parameters, parameters_from_matrices, random_parameters
@@ -372,6 +374,57 @@ class KalmanFilter(eqx.Module):
         self._check_length(num_steps, "sample")
         us = self._controls(us, num_steps, "sample")
         return _sample_jit(self, key, num_steps, us)
+
+    @jax.named_scope("eqx_seq.KalmanFilter.fit_em")
+    def fit_em(
+        self,
+        ys: Float[ArrayLike, "*batch T p"],
+        *,
+        num_iters: int,
+        us: Float[ArrayLike, "*batch T c"] | None = None,
+        fixed: Any = None,
+    ) -> tuple["KalmanFilter", Float[Array, " num_iters"]]:
+        """Fit the model by expectation-maximisation (Shumway & Stoffer 1982).
+
+        Every iteration runs the smoother (the E-step) and updates the parameters in
+        closed form (the M-step); missing (NaN) entries are latent variables too, so
+        the E-step is exact and the log-likelihood never decreases. The loop is one
+        compiled program.
+
+        **Arguments:**
+
+        - `ys`: observations, shape `(T, obs_size)`, or `(batch, T, obs_size)` for
+            several sequences of one length (their statistics are summed); NaN
+            marks a missing entry.
+        - `num_iters`: the number of iterations, at least 1.
+        - `us`: controls, shape `(T, control_size)` (or with the batch axis), iff
+            `control_size > 0`; then `B` and `D` are fitted too.
+        - `fixed`: what to hold fixed (`True`) rather than fit. `None` fits every
+            parameter. A dict from names `"F"`, `"H"`, `"B"`, `"D"`, `"m0"`, `"Q"`,
+            `"R"`, `"P0"` to a bool or, for `F`, `H`, `B`, `D` and `m0`, a boolean
+            array of the parameter's shape (per entry); or a `KalmanFilter`-shaped
+            pytree of the same (an Equinox filter spec, e.g. from
+            `jax.tree.map(lambda _: False, kf)`, with `Q_factor`, `R_factor`,
+            `P0_factor` for the covariances). Covariances are fixed or free as a
+            whole. A time-varying matrix must be held fixed; a time-varying `Q`
+            (`R`) also holds `F` and `B` (`H` and `D`).
+
+        **Returns:**
+
+        `(fitted, log_likelihoods)`: the fitted [`eqx_seq.KalmanFilter`][] (same
+        backend, sizes and fixed parameters), and `log_likelihoods[i]`, the
+        log-likelihood of `ys` (summed over the sequences) under the parameters after
+        iteration `i + 1`, shape `(num_iters,)`; the last entry is
+        `fitted.log_likelihood(ys)`.
+
+        **Raises:**
+
+        `ValueError` for a `fixed` spec that does not match the parameters, a free
+        time-varying matrix, `num_iters < 1` or inconsistent shapes.
+        """
+        ys, us = check_data(self, ys, us, num_iters)
+        spec = fixed_spec(self, fixed)
+        return fit_em(self, ys, us, num_iters, spec, backend(self.scan))
 
 
 @eqx.filter_jit

@@ -1,0 +1,321 @@
+"""Expectation-maximisation for `KalmanFilter.fit_em`.
+
+Each iteration runs the smoother on every sequence (the E-step), turns its moments
+into the expected sufficient statistics of three linear regressions with Gaussian
+noise (`x_0` on 1 for `m0, P0`; `x_t` on `[x_{t-1}; u_t]` for `[F B], Q`; `y_t` on
+`[x_t; u_t]` for `[H D], R`), and solves each in closed form (the M-step). Missing
+entries of `y_t` are latent too, with their conditional moments given `x_t` and the
+observed entries. Entries held fixed make a coefficient's M-step a weighted least
+squares on its free entries. See `docs/devdocs/kalman.md`, "Expectation-maximisation".
+"""
+
+from typing import TYPE_CHECKING
+
+import equinox as eqx
+import jax
+import jax.lax as lax
+import jax.numpy as jnp
+import jax.scipy.linalg as jsl
+import numpy as np
+from jaxtyping import Array
+
+from .._misc import full_precision
+from .._scan import AbstractScan
+from ._dispatch import by_whitening, filter_, smooth_problem
+from ._em_spec import _Fixed, as_array
+from ._linalg import _bmm, _chol, _cho_solve, _eye_like, _factor, _gram, _mT, _sym
+from ._linalg import _unfactor
+from ._problem import _bt, _Problem, prepare
+from ._results import KalmanSmootherResult
+from ._step import _predict
+
+
+if TYPE_CHECKING:
+    from ._layer import KalmanFilter
+
+
+class _Moments(eqx.Module):
+    """The expected sufficient statistics of a regression of targets `y` on
+    regressors `z`, per sequence: the posterior means `my` `(T, d)` and `mz`
+    `(T, k)` of every step, and the posterior covariances `Vyy`, `Vyz`, `Vzz`,
+    summed over the steps, or per step (a leading `T`) where a coefficient held
+    fixed varies with time. `E[y z^T]` at a step is `Vyz + my mz^T`."""
+
+    my: Array
+    mz: Array
+    Vyy: Array
+    Vyz: Array
+    Vzz: Array
+
+
+def _pad(V: Array, rows: int, cols: int) -> Array:
+    """`V` with zero rows and columns appended up to `(rows, cols)` (the controls',
+    which are known)."""
+    pad = [(0, 0)] * (V.ndim - 2) + [(0, rows - V.shape[-2]), (0, cols - V.shape[-1])]
+    return jnp.pad(V, pad)
+
+
+def _with_controls(x: Array, us: Array | None) -> Array:
+    return x if us is None else jnp.concatenate([x, us], axis=-1)
+
+
+def _smoothed_x0(kf: "KalmanFilter", m1: Array, P1: Array, u1: Array | None):
+    """The smoothed moments of `x_0`, the state before the first observation, and
+    `Cov[x_0, x_1 | y]`: one RTS step back from the smoothed `x_1`, whose
+    prediction from `x_0 ~ N(m0, P0)` has no data in between. The covariance in
+    Joseph form, a sum of positive semi-definite terms."""
+    F = kf.F[0] if kf.F.ndim == 3 else kf.F
+    L_Q = _factor(kf.Q_factor)
+    L_Q = L_Q[0] if L_Q.ndim == 3 else L_Q
+    P0 = _gram(_factor(kf.P0_factor))
+    c = None if u1 is None else kf.B @ u1
+    mu1, S1 = _predict(kf.m0, P0, F, L_Q, c)
+    J = _mT(_cho_solve(_chol(S1), F @ P0))  # P0 F^T S1^{-1}
+    m = kf.m0 + J @ (m1 - mu1)
+    IJF = jnp.eye(F.shape[0], dtype=F.dtype) - J @ F
+    JL = J @ L_Q
+    P = _sym(IJF @ P0 @ IJF.T + JL @ JL.T + J @ P1 @ J.T)
+    return m, P, J @ P1
+
+
+def _completed_observations(
+    problem: _Problem, sm: KalmanSmootherResult, ys, us, L_R, D, per_step, complete
+):
+    """The moments of the completed observations `y_t` (missing entries latent):
+    their means `(T, p)`, and the covariances `Cov[y_t]` and `Cov[y_t, x_t]`
+    (summed over the steps unless `per_step`).
+
+    Given `x_t` and the observed entries, `y_t = H x_t + D u_t + K_t (w_t - W_t H
+    x_t) + eta_t` with `K_t = R W_t^T`, `w_t` the whitened observed entries and
+    `eta_t ~ N(0, R - K_t W_t R)`, the conditional law of the missing entries
+    (`K_t W_t = R Pi_t`, `Pi_t` the inverse of `R` on the observed entries,
+    padded with zeros). With complete data `y_t` is known.
+    """
+    T, p = ys.shape
+    n = sm.means.shape[1]
+    ms, Ps = sm.means, sm.covs
+    if complete:
+        shape = (T,) if per_step else ()
+        zeros = lambda *s: jnp.zeros((*shape, *s), ys.dtype)
+        return ys, zeros(p, p), zeros(p, n)
+    W = _bt(problem.W, T)
+    R = _bt(_gram(L_R), T)
+    H = _bt(problem.model.H, T)
+    K = _bmm(R, _mT(W))
+    Hw = _bmm(W, H)
+    w = problem.yw - jnp.einsum("tpn,tn->tp", Hw, ms)
+    my = jnp.einsum("tpn,tn->tp", H, ms) + jnp.einsum("tpq,tq->tp", K, w)
+    if D is not None:
+        my = my + us @ D.T
+    A = H - _bmm(K, Hw)  # the missing entries' dependence on x_t
+    Vyx = _bmm(A, Ps)
+    Vyy = _bmm(Vyx, _mT(A)) + R - _bmm(_bmm(K, W), R)
+    if not per_step:
+        Vyx, Vyy = jnp.sum(Vyx, axis=0), jnp.sum(Vyy, axis=0)
+    return my, _sym(Vyy), Vyx
+
+
+def _sequence_moments(
+    kf: "KalmanFilter", ys: Array, us: Array | None, scan: AbstractScan
+) -> tuple[tuple[_Moments, _Moments, _Moments], Array]:
+    """The E-step on one sequence: the moments of the prior, transition and
+    emission regressions, and the log-likelihood."""
+    L_R = _factor(kf.R_factor)
+    per_step_x, per_step_y = kf.F.ndim == 3, kf.H.ndim == 3
+
+    def work(whitening):
+        problem = prepare(kf, ys, us, whitening)
+        sm = smooth_problem(problem, scan)
+        obs = _completed_observations(
+            problem, sm, ys, us, L_R, kf.D, per_step_y, whitening == "complete"
+        )
+        return sm, obs
+
+    sm, (my, Vyy, Vyx) = by_whitening(ys, scan, work)
+    T, n = sm.means.shape
+    c = 0 if us is None else us.shape[1]
+    k = n + c
+    ms, Ps = sm.means, sm.covs
+    m0, P0, C01 = _smoothed_x0(kf, ms[0], Ps[0], None if us is None else us[0])
+    prior = _Moments(
+        m0[None],
+        jnp.ones((1, 1), ms.dtype),
+        P0,
+        jnp.zeros((n, 1), ms.dtype),
+        jnp.zeros((1, 1), ms.dtype),
+    )
+    # x_t on [x_{t-1}; u_t], t = 1..T; Cov[x_{t-1}, x_t] from x_0's step, then the
+    # smoother's
+    cross = jnp.concatenate([C01[None], sm.cross_covs])
+    prev = jnp.concatenate([P0[None], Ps[:-1]])
+    if per_step_x:
+        Vyz, Vzz, Vyy_x = _mT(cross), prev, Ps
+    else:
+        Vyz, Vzz = jnp.sum(_mT(cross), axis=0), jnp.sum(prev, axis=0)
+        Vyy_x = jnp.sum(Ps, axis=0)
+    mprev = jnp.concatenate([m0[None], ms[:-1]])
+    transition = _Moments(
+        ms, _with_controls(mprev, us), Vyy_x, _pad(Vyz, n, k), _pad(Vzz, k, k)
+    )
+    Vzz = Ps if per_step_y else jnp.sum(Ps, axis=0)
+    emission = _Moments(
+        my, _with_controls(ms, us), Vyy, _pad(Vyx, Vyx.shape[-2], k), _pad(Vzz, k, k)
+    )
+    return (prior, transition, emission), sm.filtered.log_likelihood
+
+
+def _outer_sum(a: Array, b: Array) -> Array:
+    """`sum over sequences and steps of a b^T`, for `a` `(B, T, d)`, `b` `(B, T, k)`."""
+    return jnp.einsum("btd,btk->dk", a, b)
+
+
+def _vsum(V: Array, per_step: bool) -> Array:
+    return jnp.sum(V, axis=(0, 1) if per_step else 0)
+
+
+def _spd_solve(A: Array, B: Array) -> Array:
+    """`A^{-1} B` for symmetric positive (semi-)definite `A`, via its Cholesky
+    factor with jitter scaled to the dtype (a regressor that never varies, as a
+    control that is always zero, leaves `A` singular)."""
+    return _cho_solve(_chol(A), B)
+
+
+def _regression(
+    mo: _Moments, A: Array, L: Array, free: np.ndarray, cov_free: bool
+) -> tuple[Array, Array | None]:
+    """The M-step of `y = A z + e`, `e ~ N(0, L L^T)`: the coefficients `A`
+    `(d, k)` (or `(T, d, k)` where its fixed entries vary with time) with their
+    `free` entries maximising the expected log-likelihood at the current noise,
+    then the noise covariance at the new `A` if `cov_free` (else `None`).
+
+    All entries free: `A = C S^{-1}` with `C = sum E[y z^T]`, `S = sum E[z z^T]`,
+    whatever the noise. Some fixed: the normal equations of the free entries,
+    `(Lambda (x) S) vec(A) = vec(Lambda (C - A_fixed S))` restricted to them,
+    `Lambda` the inverse noise covariance (row-major `vec`). The covariance is
+    the mean of `E[(y - A z)(y - A z)^T]`: outer products of the residuals of the
+    means plus `[I, -A] V [I, -A]^T`, each positive semi-definite, not the
+    difference of raw second moments, which cancels badly where states are large.
+    """
+    per_step = mo.Vyy.ndim == 4
+    d, k = A.shape[-2:]
+    # a time-varying `A` against per-step moments `(B, T, ..)`
+    At = A[None] if per_step else A
+    if free.any():
+        S = _outer_sum(mo.mz, mo.mz) + _vsum(mo.Vzz, per_step)
+        C = _outer_sum(mo.my, mo.mz) + _vsum(mo.Vyz, per_step)
+        if free.all():
+            A = _mT(_spd_solve(S, _mT(C)))
+        else:
+            A_fixed = jnp.where(np.broadcast_to(free, A.shape), 0, A)
+            if per_step:
+                # sum_t A_t E[z_t z_t^T] with the time-varying fixed entries
+                Az = jnp.einsum("tdk,btk->btd", A_fixed, mo.mz)
+                O = jnp.einsum("tdk,btkl->dl", A_fixed, mo.Vzz) + _outer_sum(Az, mo.mz)
+            else:
+                O = A_fixed @ S
+            L_inv = jsl.solve_triangular(L, _eye_like(L), lower=True)
+            Lam = L_inv.T @ L_inv
+            idx = np.flatnonzero(free)
+            G = jnp.kron(Lam, S)[idx[:, None], idx[None, :]]
+            b = (Lam @ (C - O)).reshape(-1)[idx]
+            theta = _spd_solve(G, b[:, None])[:, 0]
+            A_free = jnp.zeros(d * k, A.dtype).at[idx].set(theta).reshape(d, k)
+            A = A_fixed + (A_free[None] if per_step else A_free)
+        At = A[None] if per_step else A
+    if not cov_free:
+        return A, None
+    r = mo.my - (jnp.einsum("tdk,btk->btd", A, mo.mz) if per_step else mo.mz @ A.T)
+    # [I, -A] V [I, -A]^T: per step for a time-varying A, else of the sums
+    Vyy, Vyz, Vzz = (
+        (mo.Vyy, mo.Vyz, mo.Vzz)
+        if per_step
+        else (jnp.sum(V, axis=0) for V in (mo.Vyy, mo.Vyz, mo.Vzz))
+    )
+    AVzy = _bmm(At, _mT(Vyz))
+    V = Vyy - AVzy - _mT(AVzy) + _bmm(_bmm(At, Vzz), _mT(At))
+    res = _outer_sum(r, r) + (jnp.sum(V, axis=(0, 1)) if per_step else V)
+    return A, _sym(res / (mo.my.shape[0] * mo.my.shape[1]))
+
+
+def _raw_factor(cov: Array) -> Array:
+    """The unconstrained parameter of a new covariance; its Cholesky factor has
+    jitter scaled to the dtype, so that a covariance that collapses stays PD."""
+    return _unfactor(_chol(cov))
+
+
+def _m_step(kf: "KalmanFilter", moments, spec: _Fixed) -> "KalmanFilter":
+    """The new parameters: the three regressions of `_regression`, fixed entries
+    kept (the spec)."""
+    prior, transition, emission = moments
+    n, p, c = kf.state_size, kf.obs_size, kf.control_size
+    new = {}
+
+    def free(names, shapes):
+        masks = [~as_array(getattr(spec, k), s) for k, s in zip(names, shapes)]
+        return np.concatenate(masks, axis=-1)
+
+    # m0, P0: x_0 on 1
+    m0, P0 = _regression(
+        prior,
+        kf.m0[:, None],
+        _factor(kf.P0_factor),
+        ~as_array(spec.m0, (n,))[:, None],
+        spec.P0 is False,
+    )
+    new["m0"], new["P0_factor"] = m0[:, 0], P0
+    for (coef, ctrl, cov), mo, rows in (
+        (("F", "B", "Q"), transition, n),
+        (("H", "D", "R"), emission, p),
+    ):
+        A = getattr(kf, coef)
+        names, shapes = (coef,), ((rows, n),)
+        if c:
+            B = getattr(kf, ctrl)
+            A = jnp.concatenate([A, jnp.broadcast_to(B, (*A.shape[:-1], c))], -1)
+            names, shapes = (coef, ctrl), ((rows, n), (rows, c))
+        A, Sigma = _regression(
+            mo, A, _factor(getattr(kf, f"{cov}_factor")), free(names, shapes),
+            getattr(spec, cov) is False,
+        )  # fmt: skip
+        new[coef] = A[..., :n]
+        if c:
+            new[ctrl] = A[0, :, n:] if A.ndim == 3 else A[:, n:]
+        new[f"{cov}_factor"] = Sigma
+    new = {
+        k: (_raw_factor(v) if k.endswith("_factor") else v)
+        for k, v in new.items()
+        if v is not None
+    }
+    names = list(new)
+    return eqx.tree_at(
+        lambda kf: [getattr(kf, k) for k in names], kf, [new[k] for k in names]
+    )
+
+
+@eqx.filter_jit
+@full_precision
+def fit_em(
+    kf: "KalmanFilter",
+    ys: Array,
+    us: Array | None,
+    num_iters: int,
+    spec: _Fixed,
+    scan: AbstractScan,
+) -> tuple["KalmanFilter", Array]:
+    """`num_iters` EM iterations from `kf` on checked `ys` `(batch, T, p)` and `us`
+    `(batch, T, c)`: the fitted filter and the log-likelihood after each iteration
+    (summed over the sequences), in one compiled program."""
+    params, static = eqx.partition(kf, eqx.is_inexact_array)
+    e_step = jax.vmap(_sequence_moments, in_axes=(None, 0, 0, None))
+
+    def iteration(params, _):
+        kf = eqx.combine(params, static)
+        moments, lls = e_step(kf, ys, us, scan)
+        kf = _m_step(kf, moments, spec)
+        return eqx.partition(kf, eqx.is_inexact_array)[0], jnp.sum(lls)
+
+    params, lls = lax.scan(iteration, params, None, length=num_iters)
+    kf = eqx.combine(params, static)
+    # the log-likelihood of the last parameters: one more filter
+    last = jax.vmap(lambda y, u: filter_(kf, y, u, scan).log_likelihood)(ys, us)
+    return kf, jnp.concatenate([lls[1:], jnp.sum(last)[None]])
