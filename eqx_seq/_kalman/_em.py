@@ -23,8 +23,17 @@ from .._misc import full_precision
 from .._scan import AbstractScan
 from ._dispatch import by_whitening, filter_, smooth_problem
 from ._em_spec import _Fixed, as_array
-from ._linalg import _bmm, _chol, _cho_solve, _eye_like, _factor, _gram, _mT, _sym
-from ._linalg import _unfactor
+from ._linalg import (
+    _bmm,
+    _cho_solve,
+    _chol,
+    _eye_like,
+    _factor,
+    _gram,
+    _mT,
+    _sym,
+    _unfactor,
+)
 from ._problem import _bt, _Problem, prepare
 from ._results import KalmanSmootherResult
 from ._step import _predict

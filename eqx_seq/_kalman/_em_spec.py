@@ -136,10 +136,6 @@ def fixed_spec(kf: "KalmanFilter", fixed: Any) -> _Fixed:
     return spec
 
 
-def _any_free(mask: Mask) -> bool:
-    return mask is False or (isinstance(mask, tuple) and not as_array(mask, ()).all())
-
-
 def _check_time_varying(kf: "KalmanFilter", spec: _Fixed) -> None:
     """A free parameter is time-invariant; a free coefficient needs a time-invariant
     noise covariance to weigh it (its regression weighs every step alike)."""
@@ -150,7 +146,12 @@ def _check_time_varying(kf: "KalmanFilter", spec: _Fixed) -> None:
                 f"it fixed with `fixed={{{name!r}: True, ...}}`."
             )
     for cov, coefs in (("Q", ("F", "B")), ("R", ("H", "D"))):
-        free = [k for k in coefs if _value(kf, k) is not None and _any_free(spec._asdict()[k])]
+        # a normalised mask is all-fixed only as `True`
+        free = [
+            k
+            for k in coefs
+            if _value(kf, k) is not None and getattr(spec, k) is not True
+        ]
         if _value(kf, cov).ndim == 3 and free:
             raise ValueError(
                 f"{_WHERE}: `{cov}` varies with time, so {' and '.join(free)} cannot "
