@@ -11,6 +11,7 @@ from jaxtyping import Array
 
 from .._misc import full_precision
 from .._scan import AbstractScan, check_scan
+from ._diffuse import filter_diffuse
 from ._parallel import filter_parallel, smooth_parallel
 from ._problem import _all_observed, _Problem, prepare, Whitening
 from ._results import KalmanFilterResult, KalmanSmootherResult
@@ -69,7 +70,10 @@ def filter_(
 
     def work(whitening):
         problem = prepare(kf, ys, us, whitening)
-        return filter_problem(problem, scan, kf._steady_state)
+        run = lambda problem: filter_problem(problem, scan, kf._steady_state)
+        if kf.initialization == "diffuse":
+            return filter_diffuse(problem, run)
+        return run(problem)
 
     return by_whitening(ys, scan, work)
 

@@ -15,6 +15,7 @@ from ._dispatch import backend, filter_, smooth
 from ._em import fit_em
 from ._em_spec import check_data, fixed_spec
 from ._fisher import fisher_log_likelihood
+from ._initial import check_options, Initialization, prior, PriorAt
 from ._linalg import _factor, _gram
 from ._parameters import _Parameters, parameters_from_matrices, random_parameters
 from ._problem import _model, _per_step
@@ -71,6 +72,8 @@ class KalmanFilter(eqx.Module):
     obs_size: int = eqx.field(static=True)
     control_size: int = eqx.field(static=True)
     num_steps: int | None = eqx.field(static=True)
+    prior_at: PriorAt = eqx.field(static=True)
+    initialization: Initialization = eqx.field(static=True)
     # False: every step of the sequential filter exact (for comparisons)
     _steady_state: bool = eqx.field(static=True, repr=False)
 
@@ -81,6 +84,8 @@ class KalmanFilter(eqx.Module):
         *,
         control_size: int = 0,
         scan: AbstractScan = AutoScan(),
+        prior_at: PriorAt = "x0",
+        initialization: Initialization = "known",
         dtype: Any = None,
         key: PRNGKeyArray,
         _parameters: _Parameters | None = None,
@@ -92,6 +97,13 @@ class KalmanFilter(eqx.Module):
         - `obs_size`: the size `p` of the observations `y_t`.
         - `control_size`: the size `c` of the controls `u_t`; `0` for none.
         - `scan`: the backend, see the class docstring.
+        - `prior_at`: `"x0"` (the prior `(m0, P0)` is the law of `x_0`, the state
+            before the first observation) or `"x1"` (the law of `x_1`, the first
+            observed state, as in dynamax, pykalman and statsmodels).
+        - `initialization`: `"known"` (the prior is `(m0, P0)`), `"stationary"`
+            (the stationary law of a stable time-invariant model: mean zero, `P0`
+            solving `P0 = F P0 F^T + Q`) or `"diffuse"` (exact diffuse: an
+            infinite-variance prior). With the last two `m0` and `P0` are unused.
         - `dtype`: the parameters' dtype, float32 or float64 (default: JAX's
             default floating dtype).
         - `key`: a `jax.random.key` for the initialisation.
@@ -120,6 +132,8 @@ class KalmanFilter(eqx.Module):
         self.Q_factor, self.R_factor = a.Q_factor, a.R_factor
         self.P0_factor = a.P0_factor
         self.num_steps = a.num_steps
+        check_options(prior_at, initialization, a.F.ndim > 2 or a.Q_factor.ndim > 2)
+        self.prior_at, self.initialization = prior_at, initialization
         self.scan = scan
         self.state_size, self.obs_size, self.control_size = n, p, c
         self._steady_state = _steady_state
@@ -137,6 +151,8 @@ class KalmanFilter(eqx.Module):
         B: Float[ArrayLike, "n c"] | None = None,
         D: Float[ArrayLike, "p c"] | None = None,
         scan: AbstractScan = AutoScan(),
+        prior_at: PriorAt = "x0",
+        initialization: Initialization = "known",
         dtype: Any = None,
     ) -> "KalmanFilter":
         """A Kalman filter for a given model.
@@ -148,10 +164,12 @@ class KalmanFilter(eqx.Module):
         - `Q`, `R`: the transition and observation noise covariances, `(n, n)` /
             `(p, p)` or with a leading `T`; symmetric positive definite.
         - `m0`, `P0`: mean and covariance of `x_0`, the state before the first
-            observation.
+            observation (of `x_1` with `prior_at="x1"`); unused, but checked, with
+            `initialization="stationary"` or `"diffuse"`.
         - `B`, `D`: optional control matrices `(n, c)` and `(p, c)`; give one or
             both to use controls (the missing one is zero).
         - `scan`: the backend, see the class docstring.
+        - `prior_at`, `initialization`: as in `__init__`.
         - `dtype`: the parameters' dtype; default: the common dtype of the inputs
             (floating).
 
@@ -177,6 +195,8 @@ class KalmanFilter(eqx.Module):
             p,
             control_size=c,
             scan=scan,
+            prior_at=prior_at,
+            initialization=initialization,
             dtype=params.F.dtype,
             key=None,
             _parameters=params,
@@ -196,8 +216,13 @@ class KalmanFilter(eqx.Module):
 
     @property
     def P0(self) -> Float[Array, "n n"]:
-        """The covariance of `x_0` (from `P0_factor`)."""
-        return _gram(_factor(self.P0_factor))
+        """The prior covariance (of `x_0`, or of `x_1` with `prior_at="x1"`): from
+        `P0_factor`, the stationary one with `initialization="stationary"`, and
+        infinite on the diagonal with `"diffuse"`."""
+        if self.initialization == "diffuse":
+            n = self.state_size
+            return jnp.diag(jnp.full((n,), jnp.inf, self.m0.dtype))
+        return _gram(prior(self)[1])
 
     # --- checks ---
 
@@ -219,6 +244,15 @@ class KalmanFilter(eqx.Module):
         T = ys.shape[0]
         self._check_length(T, caller)
         return ys.astype(dtype), self._controls(us, T, caller)
+
+    def _not_diffuse(self, caller: str) -> None:
+        if self.initialization == "diffuse":
+            raise NotImplementedError(
+                f"eqx_seq.KalmanFilter.{caller}: not available with "
+                'initialization="diffuse" (the exact diffuse smoother is not '
+                'implemented); use "known" with a large `P0` (approximately '
+                "diffuse)."
+            )
 
     def _check_length(self, T: int, caller: str) -> None:
         if self.num_steps is not None and T != self.num_steps:
@@ -347,6 +381,7 @@ class KalmanFilter(eqx.Module):
         lag-one cross-covariances, and the filter's result.
         """
         ys, us = self._inputs(ys, us, "smooth")
+        self._not_diffuse("smooth")
         return _smooth_jit(self, ys, us)
 
     @jax.named_scope("eqx_seq.KalmanFilter.sample")
@@ -371,6 +406,11 @@ class KalmanFilter(eqx.Module):
         `y_1..y_T`, shape `(T, obs_size)`.
         """
         check_positive_int("num_steps", num_steps)
+        if self.initialization == "diffuse":
+            raise ValueError(
+                "eqx_seq.KalmanFilter.sample: a diffuse prior (initialization="
+                '"diffuse") has no draws; use "known" or "stationary".'
+            )
         self._check_length(num_steps, "sample")
         us = self._controls(us, num_steps, "sample")
         return _sample_jit(self, key, num_steps, us)
@@ -439,6 +479,9 @@ def _smooth_jit(kf: KalmanFilter, ys: Array, us: Array | None) -> KalmanSmoother
 
 @eqx.filter_jit
 def _log_likelihood_jit(kf: KalmanFilter, ys: Array, us: Array | None) -> Array:
+    if kf.initialization == "diffuse":
+        # Fisher's identity needs the smoother, which has no diffuse form here
+        return filter_(kf, ys, us, backend(kf.scan)).log_likelihood
     return fisher_log_likelihood(kf, ys, us, backend(kf.scan))
 
 
@@ -462,11 +505,17 @@ def _sample_jit(kf: KalmanFilter, key, num_steps: int, us: Array | None):
         xs["Bu"] = us @ kf.B.T
         xs["Du"] = us @ kf.D.T
 
+    if kf.prior_at == "x1":
+        # the prior's draw is x_1 itself: step 1 has no transition
+        xs["first"] = jnp.arange(num_steps) == 0
+
     def step(x_prev, s):
         get = lambda name: s[name] if name in s else mats[name]
         x = get("F") @ x_prev + get("L_Q") @ s["q"]
         if "Bu" in s:
             x = x + s["Bu"]
+        if "first" in s:
+            x = jnp.where(s["first"], x_prev, x)
         y = get("H") @ x + get("L_R") @ s["r"]
         if "Du" in s:
             y = y + s["Du"]

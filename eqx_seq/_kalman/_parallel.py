@@ -13,7 +13,7 @@ from .._scan import AbstractScan
 from ._linalg import _cho_solve, _chol, _gram, _sym
 from ._problem import _Model, _per_step, _Problem
 from ._results import _filter_result, KalmanFilterResult, KalmanSmootherResult
-from ._step import _predict, _update
+from ._step import _predict, _update, first_prediction
 
 
 def _filter_elements(problem: _Problem):
@@ -31,14 +31,8 @@ def _filter_elements(problem: _Problem):
     Q = jnp.broadcast_to(_gram(model.L_Q), (T, n, n))
     mu = jnp.zeros((T, n), dtype) if c is None else c
     Hw = problem.Hw
-    # step 1: predict from the prior, and no dependence on x_0
-    m_pred0, P_pred0 = _predict(
-        model.m0,
-        _gram(model.L_P0),
-        F[0],
-        model.L_Q[0] if _per_step(model.L_Q, 2) else model.L_Q,
-        None if c is None else c[0],
-    )
+    # step 1: the prediction of x_1 from the prior, and no dependence on x_0
+    m_pred0, P_pred0 = first_prediction(model, c)
     mu = mu.at[0].set(m_pred0)
     Sigma = Q.at[0].set(P_pred0)
     F = F.at[0].set(0)
@@ -92,14 +86,20 @@ def _combine_filter(earlier, later):
 
 def _predictions(model: _Model, c, ms, Ps):
     """One-step predictions of every step from the filtered moments of the previous."""
-    m_prev = jnp.concatenate([model.m0[None], ms[:-1]])
-    P_prev = jnp.concatenate([_gram(model.L_P0)[None], Ps[:-1]])
+    m1, P1 = first_prediction(model, c)
+    if ms.shape[0] == 1:
+        return m1[None], P1[None]
     F_ax = 0 if _per_step(model.F, 2) else None
     Q_ax = 0 if _per_step(model.L_Q, 2) else None
     c_ax = None if c is None else 0
-    return jax.vmap(_predict, in_axes=(0, 0, F_ax, Q_ax, c_ax))(
-        m_prev, P_prev, model.F, model.L_Q, c
+    mps, Pps = jax.vmap(_predict, in_axes=(0, 0, F_ax, Q_ax, c_ax))(
+        ms[:-1],
+        Ps[:-1],
+        model.F[1:] if F_ax == 0 else model.F,
+        model.L_Q[1:] if Q_ax == 0 else model.L_Q,
+        None if c is None else c[1:],
     )
+    return jnp.concatenate([m1[None], mps]), jnp.concatenate([P1[None], Pps])
 
 
 def filter_parallel(problem: _Problem, scan: AbstractScan) -> KalmanFilterResult:

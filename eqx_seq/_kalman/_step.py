@@ -9,8 +9,16 @@ import jax.numpy as jnp
 from jaxtyping import Array
 
 from .._misc import full_precision
-from ._linalg import _LOG_2PI, _mm, _mv, _sandwich, _sym, tril_inverse_by_rows
-from ._problem import _per_step, _Problem
+from ._linalg import (
+    _gram,
+    _LOG_2PI,
+    _mm,
+    _mv,
+    _sandwich,
+    _sym,
+    tril_inverse_by_rows,
+)
+from ._problem import _Model, _per_step, _Problem
 
 
 def _predict(m: Array, P: Array, F: Array, L_Q: Array, c: Array | None):
@@ -19,6 +27,17 @@ def _predict(m: Array, P: Array, F: Array, L_Q: Array, c: Array | None):
         m = m + c
     P = _sym(_sandwich(F, P) + _mm(L_Q, L_Q.T))
     return m, P
+
+
+def first_prediction(model: _Model, c: Array | None) -> tuple[Array, Array]:
+    """The predicted moments of `x_1`: the prior itself with `prior_at="x1"`, else
+    the prior of `x_0` pushed through step 1's transition."""
+    P0 = _gram(model.L_P0)
+    if model.prior_at == "x1":
+        return model.m0, P0
+    F1 = model.F[0] if _per_step(model.F, 2) else model.F
+    L_Q1 = model.L_Q[0] if _per_step(model.L_Q, 2) else model.L_Q
+    return _predict(model.m0, P0, F1, L_Q1, None if c is None else c[0])
 
 
 def _update(m: Array, P: Array, y: Array, Hw: Array, obs: Array):
@@ -112,12 +131,18 @@ def _sequential_step(problem: _Problem, complete: bool = False):
         xs["W"] = W
     if problem.c is not None:
         xs["c"] = problem.c
+    if model.prior_at == "x1":
+        # the carry into step 1 is the prior of x_1 itself: no transition
+        xs["first"] = jnp.arange(problem.num_steps) == 0
 
     def step(carry, x, record=False):
         m, P = carry
         F = x["F"] if F_v else model.F
         L_Q = x["L_Q"] if Q_v else model.L_Q
         m_pred, P_pred = _predict(m, P, F, L_Q, x.get("c"))
+        if "first" in x:
+            m_pred = jnp.where(x["first"], m, m_pred)
+            P_pred = jnp.where(x["first"], P, P_pred)
         if Hw_const is None:
             Hw = _mm(x["W"] if W_v else W, x["H"] if H_v else model.H)
         else:
