@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import scipy.linalg
 from kalman_helpers import (
     BACKENDS,
     build,
@@ -25,10 +26,11 @@ def _at(x, t):
     return x[t] if x.ndim == 3 else x
 
 
-def _sequence_stats(model, ys, us):
+def _sequence_stats(model, ys, us, prior_at):
     """Per-step expected sufficient statistics of one sequence under `model`: the
-    prior's (x_0), the transitions' (x_t on z_t = [x_{t-1}; u_t]) and the
-    emissions' (y_t on w_t = [x_t; u_t]), missing entries of y_t latent."""
+    prior's (x_0, or x_1 with prior_at="x1"), the transitions' (x_t on
+    z_t = [x_{t-1}; u_t]) and the emissions' (y_t on w_t = [x_t; u_t]), missing
+    entries of y_t latent."""
     F, H, Q, R = model["F"], model["H"], model["Q"], model["R"]
     m0, P0, B, D = model["m0"], model["P0"], model.get("B"), model.get("D")
     T, p = ys.shape
@@ -36,7 +38,7 @@ def _sequence_stats(model, ys, us):
     u = (lambda t: us[t]) if us is not None else (lambda t: np.zeros(0))
     Bm = B if B is not None else np.zeros((n, 0))
     Dm = D if D is not None else np.zeros((p, 0))
-    f = filter_reference(model, ys, us)
+    f = filter_reference(model, ys, us, prior_at)
     ms, Ps, cross = np_smoother(F, f)
     # x_0: one RTS step back from x_1 (no observation at step 0)
     F1, Q1 = _at(F, 0), _at(Q, 0)
@@ -47,23 +49,26 @@ def _sequence_stats(model, ys, us):
     C01 = J @ Ps[0]
     Exx = lambda m, P: P + np.outer(m, m)
     prior = dict(y=mx0, yy=Exx(mx0, Px0))
+    if prior_at == "x1":
+        prior = dict(y=ms[0], yy=Exx(ms[0], Ps[0]))
     trans, emis = [], []
     for t in range(T):
         mp, Pp = (mx0, Px0) if t == 0 else (ms[t - 1], Ps[t - 1])
         Cp = C01 if t == 0 else cross[t - 1]  # Cov[x_{t-1}, x_t]
         ut = u(t)
-        trans.append(
-            dict(
-                yy=Exx(ms[t], Ps[t]),
-                yz=np.hstack([Cp.T + np.outer(ms[t], mp), np.outer(ms[t], ut)]),
-                zz=np.block(
-                    [
-                        [Exx(mp, Pp), np.outer(mp, ut)],
-                        [np.outer(ut, mp), np.outer(ut, ut)],
-                    ]
-                ),
+        if t > 0 or prior_at == "x0":
+            trans.append(
+                dict(
+                    yy=Exx(ms[t], Ps[t]),
+                    yz=np.hstack([Cp.T + np.outer(ms[t], mp), np.outer(ms[t], ut)]),
+                    zz=np.block(
+                        [
+                            [Exx(mp, Pp), np.outer(mp, ut)],
+                            [np.outer(ut, mp), np.outer(ut, ut)],
+                        ]
+                    ),
+                )
             )
-        )
         # y_t given x_t and the observed entries: y = a x + b + noise (cov V)
         Ht, Rt = _at(H, t), _at(R, t)
         o = ~np.isnan(ys[t])
@@ -130,7 +135,7 @@ def _regression(stats, A, cov, free, cov_free):
     return A, cov / T
 
 
-def np_em_step(model, seqs, fixed=None):
+def np_em_step(model, seqs, fixed=None, prior_at="x0"):
     """One EM iteration on sequences `[(ys, us), ...]`: the new model and the
     log-likelihood of the old one."""
     fixed = fixed or {}
@@ -138,7 +143,7 @@ def np_em_step(model, seqs, fixed=None):
     c = 0 if model.get("B") is None else model["B"].shape[1]
     priors, trans, emis, ll = [], [], [], 0.0
     for ys, us in seqs:
-        pr, tr, em, l_seq = _sequence_stats(model, ys, us)
+        pr, tr, em, l_seq = _sequence_stats(model, ys, us, prior_at)
         priors.append(dict(yy=pr["yy"], yz=pr["y"][:, None], zz=np.ones((1, 1))))
         trans += tr
         emis += em
@@ -159,13 +164,16 @@ def np_em_step(model, seqs, fixed=None):
         ("H", "D", "R", emis, p),
     ):
         A = model[coef]
+        if A.ndim == 3 and coef == "F" and prior_at == "x1":
+            A = A[1:]  # no transition into x_1
         free = mask(coef, (rows, n))
         if c:
             Bc = np.broadcast_to(model[ctrl], (*A.shape[:-1], c))
             A = np.concatenate([A, Bc], -1)
             free = np.hstack([free, mask(ctrl, (rows, c))])
         A, new[cov] = _regression(stats, A, model[cov], free, not fixed.get(cov, False))
-        new[coef] = A[..., :n]
+        if A.ndim == 2:  # a time-varying one is held
+            new[coef] = A[:, :n]
         if c:
             new[ctrl] = A[0, :, n:] if A.ndim == 3 else A[:, n:]
     return new, ll
@@ -211,21 +219,26 @@ def _problem(seed, n=3, p=2, T=40, c=0, batch=None):
 
 # --- the M-step ---
 @pytest.mark.parametrize(
-    "backend,c", [("sequential", 0), ("sequential", 2), ("associative", 2)]
+    "backend,c,prior_at",
+    [
+        ("sequential", 0, "x0"),
+        ("sequential", 2, "x0"),
+        ("sequential", 2, "x1"),
+        ("associative", 2, "x1"),
+    ],
 )
-def test_one_iteration_matches_hand_formulas(backend, c):
+def test_one_iteration_matches_hand_formulas(backend, c, prior_at):
     start, ys, us = _problem(0, c=c)
-    kf = build(start, BACKENDS[backend])
+    kf = build(start, BACKENDS[backend], prior_at=prior_at)
     fitted, lls = kf.fit_em(ys, us=us, num_iters=1)
-    new, _ = np_em_step(start, [(ys, us)])
+    new, _ = np_em_step(start, [(ys, us)], prior_at=prior_at)
     # rebuilt with the same backend, sizes and structure
     assert fitted.scan == kf.scan and fitted.control_size == c
     assert jax.tree.structure(fitted) == jax.tree.structure(kf)
     _assert_model(fitted, new, rtol=1e-7, atol=1e-9)
     # the trace: the log-likelihood after the iteration
-    np.testing.assert_allclose(
-        lls, [filter_reference(new, ys, us)["ll"].sum()], rtol=1e-9
-    )
+    ll = filter_reference(new, ys, us, prior_at)["ll"].sum()
+    np.testing.assert_allclose(lls, [ll], rtol=1e-9)
 
 
 def test_two_iterations_and_batch_match_hand_formulas():
@@ -271,7 +284,8 @@ def test_masks_match_hand_normal_equations():
     np.testing.assert_allclose(lls_spec, lls, rtol=1e-12)
 
 
-def test_time_varying_fixed_matrices_match_hand_formulas():
+@pytest.mark.parametrize("prior_at", ["x0", "x1"])
+def test_time_varying_fixed_matrices_match_hand_formulas(prior_at):
     """F and H vary with time (held fixed); Q, R, B, D, m0, P0 fitted: the
     regressions with per-step fixed coefficients."""
     rng = np.random.default_rng(4)
@@ -282,10 +296,32 @@ def test_time_varying_fixed_matrices_match_hand_formulas():
     us = rng.normal(size=(T, c))
     ys = _missing(rng, simulate(rng, start, T, us))
     fixed = {"F": True, "H": True}
-    kf = build(start, eqx_seq.SequentialScan())
+    kf = build(start, eqx_seq.SequentialScan(), prior_at=prior_at)
     fitted, _ = kf.fit_em(ys, us=us, num_iters=1, fixed=fixed)
-    new, _ = np_em_step(start, [(ys, us)], fixed)
+    new, _ = np_em_step(start, [(ys, us)], fixed, prior_at)
     _assert_model(fitted, new, rtol=1e-7, atol=1e-9)
+    np.testing.assert_array_equal(fitted.F, kf.F)
+
+
+def test_stationary_prior_with_F_and_Q_held():
+    """The stationary prior is a function of F and Q: with them held, the rest is
+    fitted as with the known prior of the same value; m0, P0 untouched."""
+    start, ys, us = _problem(3, c=1)
+    kf = build(start, eqx_seq.SequentialScan(), initialization="stationary")
+    fixed = {"F": True, "Q": True}
+    fitted, lls = kf.fit_em(ys, us=us, num_iters=1, fixed=fixed)
+    known = dict(
+        start,
+        m0=np.zeros(3),
+        P0=scipy.linalg.solve_discrete_lyapunov(start["F"], start["Q"]),
+    )
+    new, _ = np_em_step(known, [(ys, us)], {**fixed, "m0": True, "P0": True})
+    for k in ("H", "R", "B", "D"):
+        np.testing.assert_allclose(getattr(fitted, k), new[k], rtol=1e-7, atol=1e-9)
+    np.testing.assert_array_equal(fitted.m0, kf.m0)
+    np.testing.assert_array_equal(fitted.P0_factor, kf.P0_factor)
+    ll = filter_reference(new, ys, us)["ll"].sum()
+    np.testing.assert_allclose(lls, [ll], rtol=1e-9)
 
 
 # --- the log-likelihood trace ---
@@ -397,6 +433,18 @@ def test_bad_input():
         fit(us=np.zeros((10, 1)))
     with pytest.raises(ValueError, match="us"):
         controlled.fit_em(np.stack([ys] * 2), us=np.zeros((10, 1)), num_iters=1)
+
+
+def test_prior_options_that_do_not_fit():
+    start, ys, _ = _problem(8, T=10)
+    model = tuple(start[k] for k in ("F", "H", "Q", "R", "m0", "P0"))
+    make = lambda **kw: eqx_seq.KalmanFilter.from_matrices(*model, **kw)
+    with pytest.raises(ValueError, match="diffuse"):
+        make(initialization="diffuse").fit_em(ys, num_iters=1)
+    with pytest.raises(ValueError, match="stationary"):
+        make(initialization="stationary").fit_em(ys, num_iters=1, fixed={"F": True})
+    with pytest.raises(ValueError, match="one step"):
+        make(prior_at="x1").fit_em(ys[:1], num_iters=1, fixed={"F": True})
 
 
 def test_time_varying_parameters_must_be_fixed():

@@ -34,9 +34,9 @@ from ._linalg import (
     _sym,
     _unfactor,
 )
-from ._problem import _bt, _Problem, prepare
+from ._problem import _bt, _Model, _model, _Problem, prepare
 from ._results import KalmanSmootherResult
-from ._step import _predict
+from ._step import first_prediction
 
 
 if TYPE_CHECKING:
@@ -68,19 +68,17 @@ def _with_controls(x: Array, us: Array | None) -> Array:
     return x if us is None else jnp.concatenate([x, us], axis=-1)
 
 
-def _smoothed_x0(kf: "KalmanFilter", m1: Array, P1: Array, u1: Array | None):
+def _smoothed_x0(model: _Model, m1: Array, P1: Array, c1: Array | None):
     """The smoothed moments of `x_0`, the state before the first observation, and
     `Cov[x_0, x_1 | y]`: one RTS step back from the smoothed `x_1`, whose
-    prediction from `x_0 ~ N(m0, P0)` has no data in between. The covariance in
-    Joseph form, a sum of positive semi-definite terms."""
-    F = kf.F[0] if kf.F.ndim == 3 else kf.F
-    L_Q = _factor(kf.Q_factor)
-    L_Q = L_Q[0] if L_Q.ndim == 3 else L_Q
-    P0 = _gram(_factor(kf.P0_factor))
-    c = None if u1 is None else kf.B @ u1
-    mu1, S1 = _predict(kf.m0, P0, F, L_Q, c)
+    prediction from the prior has no data in between. The covariance in Joseph
+    form, a sum of positive semi-definite terms. `c1 = B u_1` as `(1, n)`."""
+    F = model.F[0] if model.F.ndim == 3 else model.F
+    L_Q = model.L_Q[0] if model.L_Q.ndim == 3 else model.L_Q
+    P0 = _gram(model.L_P0)
+    mu1, S1 = first_prediction(model, c1)
     J = _mT(_cho_solve(_chol(S1), F @ P0))  # P0 F^T S1^{-1}
-    m = kf.m0 + J @ (m1 - mu1)
+    m = model.m0 + J @ (m1 - mu1)
     IJF = jnp.eye(F.shape[0], dtype=F.dtype) - J @ F
     JL = J @ L_Q
     P = _sym(IJF @ P0 @ IJF.T + JL @ JL.T + J @ P1 @ J.T)
@@ -145,26 +143,27 @@ def _sequence_moments(
     c = 0 if us is None else us.shape[1]
     k = n + c
     ms, Ps = sm.means, sm.covs
-    m0, P0, C01 = _smoothed_x0(kf, ms[0], Ps[0], None if us is None else us[0])
-    prior = _Moments(
-        m0[None],
-        jnp.ones((1, 1), ms.dtype),
-        P0,
-        jnp.zeros((n, 1), ms.dtype),
-        jnp.zeros((1, 1), ms.dtype),
-    )
-    # x_t on [x_{t-1}; u_t], t = 1..T; Cov[x_{t-1}, x_t] from x_0's step, then the
-    # smoother's
-    cross = jnp.concatenate([C01[None], sm.cross_covs])
-    prev = jnp.concatenate([P0[None], Ps[:-1]])
-    if per_step_x:
-        Vyz, Vzz, Vyy_x = _mT(cross), prev, Ps
+    if kf.prior_at == "x1":
+        # the prior is x_1's; transitions into x_2..x_T
+        m0, P0 = ms[0], Ps[0]
+        cross, mprev, prev = sm.cross_covs, ms[:-1], Ps[:-1]
+        xs, Pxs, u_x = ms[1:], Ps[1:], None if us is None else us[1:]
     else:
-        Vyz, Vzz = jnp.sum(_mT(cross), axis=0), jnp.sum(prev, axis=0)
-        Vyy_x = jnp.sum(Ps, axis=0)
-    mprev = jnp.concatenate([m0[None], ms[:-1]])
+        # x_0 smoothed too; transitions into x_1..x_T
+        c1 = None if us is None else us[:1] @ kf.B.T
+        m0, P0, C01 = _smoothed_x0(_model(kf), ms[0], Ps[0], c1)
+        cross = jnp.concatenate([C01[None], sm.cross_covs])
+        mprev = jnp.concatenate([m0[None], ms[:-1]])
+        prev = jnp.concatenate([P0[None], Ps[:-1]])
+        xs, Pxs, u_x = ms, Ps, us
+    zero = lambda *shape: jnp.zeros(shape, ms.dtype)
+    prior = _Moments(m0[None], zero(1, 1) + 1, P0, zero(n, 1), zero(1, 1))
+    # Cov[x_{t-1}, x_t] is `cross[t]^T`
+    Vyy_x, Vyz, Vzz = Pxs, _mT(cross), prev
+    if not per_step_x:
+        Vyy_x, Vyz, Vzz = (jnp.sum(V, axis=0) for V in (Vyy_x, Vyz, Vzz))
     transition = _Moments(
-        ms, _with_controls(mprev, us), Vyy_x, _pad(Vyz, n, k), _pad(Vzz, k, k)
+        xs, _with_controls(mprev, u_x), Vyy_x, _pad(Vyz, n, k), _pad(Vzz, k, k)
     )
     Vzz = Ps if per_step_y else jnp.sum(Ps, axis=0)
     emission = _Moments(
@@ -263,7 +262,7 @@ def _m_step(kf: "KalmanFilter", moments, spec: _Fixed) -> "KalmanFilter":
         masks = [~as_array(getattr(spec, k), s) for k, s in zip(names, shapes)]
         return np.concatenate(masks, axis=-1)
 
-    # m0, P0: x_0 on 1
+    # m0, P0: the prior's state on 1 (with a stationary prior, unused)
     m0, P0 = _regression(
         prior,
         kf.m0[:, None],
@@ -277,6 +276,8 @@ def _m_step(kf: "KalmanFilter", moments, spec: _Fixed) -> "KalmanFilter":
         (("H", "D", "R"), emission, p),
     ):
         A = getattr(kf, coef)
+        if coef == "F" and A.ndim == 3 and kf.prior_at == "x1":
+            A = A[1:]  # step 1 has no transition
         names, shapes = (coef,), ((rows, n),)
         if c:
             B = getattr(kf, ctrl)
@@ -290,10 +291,12 @@ def _m_step(kf: "KalmanFilter", moments, spec: _Fixed) -> "KalmanFilter":
         if c:
             new[ctrl] = A[0, :, n:] if A.ndim == 3 else A[:, n:]
         new[f"{cov}_factor"] = Sigma
+    # what is held fixed stays as it is, bit for bit (a time-varying matrix too)
+    held = {k for k, v in spec._asdict().items() if v is True}
     new = {
         k: (_raw_factor(v) if k.endswith("_factor") else v)
         for k, v in new.items()
-        if v is not None
+        if v is not None and k.removesuffix("_factor") not in held
     }
     names = list(new)
     return eqx.tree_at(

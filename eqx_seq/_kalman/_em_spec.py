@@ -101,7 +101,7 @@ def _from_filter_spec(kf: "KalmanFilter", spec: "KalmanFilter") -> dict[str, Any
     return out
 
 
-def fixed_spec(kf: "KalmanFilter", fixed: Any) -> _Fixed:
+def fixed_spec(kf: "KalmanFilter", fixed: Any, num_steps: int) -> _Fixed:
     """The normalised spec of `fixed`: `None`, a dict from parameter names to bools
     or masks, or a `KalmanFilter`-shaped pytree of them (a filter spec); checked
     against the model, time-varying matrices included."""
@@ -133,6 +133,37 @@ def fixed_spec(kf: "KalmanFilter", fixed: Any) -> _Fixed:
         )
     spec = _Fixed(**{k: _normalise(kf, k, v) for k, v in entries.items()})
     _check_time_varying(kf, spec)
+    return _check_prior(kf, spec, num_steps)
+
+
+def _check_prior(kf: "KalmanFilter", spec: _Fixed, num_steps: int) -> _Fixed:
+    """The prior's options: a diffuse prior has no smoother here; a stationary one
+    is a function of `F` and `Q` (its `m0`, `P0` unused), whose M-step would then
+    have no closed form, so they are held; with `prior_at="x1"` one step has no
+    transition to fit."""
+    if kf.initialization == "diffuse":
+        raise ValueError(
+            f'{_WHERE}: not available with initialization="diffuse" (the E-step '
+            'needs the smoother); use "known" with a large `P0`.'
+        )
+    if kf.initialization == "stationary":
+        if spec.F is not True or spec.Q is not True:
+            raise ValueError(
+                f'{_WHERE}: with initialization="stationary" the prior is a '
+                "function of F and Q, which then have no closed-form M-step: hold "
+                'them fixed (`fixed={"F": True, "Q": True}`) or use "known".'
+            )
+        spec = spec._replace(m0=True, P0=True)
+    free = [
+        k
+        for k in ("F", "B", "Q")
+        if _value(kf, k) is not None and getattr(spec, k) is not True
+    ]
+    if kf.prior_at == "x1" and num_steps == 1 and free:
+        raise ValueError(
+            f'{_WHERE}: with prior_at="x1" sequences of one step have no transition, '
+            "so F, B and Q cannot be fitted; hold them fixed."
+        )
     return spec
 
 

@@ -463,7 +463,7 @@ class KalmanFilter(eqx.Module):
         time-varying matrix, `num_iters < 1` or inconsistent shapes.
         """
         ys, us = check_data(self, ys, us, num_iters)
-        spec = fixed_spec(self, fixed)
+        spec = fixed_spec(self, fixed, ys.shape[1])
         return fit_em(self, ys, us, num_iters, spec, backend(self.scan))
 
 
