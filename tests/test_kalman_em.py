@@ -15,7 +15,9 @@ from kalman_helpers import (
     filter_reference,
     np_smoother,
     random_model,
+    settled,
     simulate,
+    STEADY_T,
 )
 
 import eqx_seq
@@ -221,7 +223,8 @@ def _problem(seed, n=3, p=2, T=40, c=0, batch=None):
 @pytest.mark.parametrize(
     "backend,c,prior_at",
     [
-        ("sequential", 0, "x0"),
+        # c = 0 runs in the trace tests
+        pytest.param("sequential", 0, "x0", marks=pytest.mark.slow),
         ("sequential", 2, "x0"),
         ("sequential", 2, "x1"),
         ("associative", 2, "x1"),
@@ -284,7 +287,7 @@ def test_masks_match_hand_normal_equations():
     np.testing.assert_allclose(lls_spec, lls, rtol=1e-12)
 
 
-@pytest.mark.parametrize("prior_at", ["x0", "x1"])
+@pytest.mark.parametrize("prior_at", [pytest.param("x0", marks=pytest.mark.slow), "x1"])
 def test_time_varying_fixed_matrices_match_hand_formulas(prior_at):
     """F and H vary with time (held fixed); Q, R, B, D, m0, P0 fitted: the
     regressions with per-step fixed coefficients."""
@@ -322,6 +325,68 @@ def test_stationary_prior_with_F_and_Q_held():
     np.testing.assert_array_equal(fitted.P0_factor, kf.P0_factor)
     ll = filter_reference(new, ys, us)["ll"].sum()
     np.testing.assert_allclose(lls, [ll], rtol=1e-9)
+
+
+# --- complete data: the E-step from the steady-state filter ---
+@pytest.mark.parametrize("prior_at", ["x0", "x1"])
+def test_steady_state_e_step_matches_hand_formulas(prior_at):
+    """Complete data, a time-invariant model, long sequences: the smoother's sums
+    from the steady-state filter (Lyapunov sums), two sequences with controls."""
+    from eqx_seq._kalman._problem import prepare
+    from eqx_seq._kalman._smooth_steady import smoothed_sums_steady
+
+    rng = np.random.default_rng(15)
+    start = random_model(rng, 3, 2, c=1)
+    us = rng.normal(size=(2, STEADY_T, 1))
+    ys = np.stack(
+        [simulate(rng, random_model(rng, 3, 2, c=1), STEADY_T, u) for u in us]
+    )
+    kf = build(start, eqx_seq.SequentialScan(), prior_at=prior_at)
+    assert settled(kf, jnp.asarray(ys[0]), jnp.asarray(us[0]))
+    run = eqx.filter_jit(
+        lambda kf, y, u: smoothed_sums_steady(prepare(kf, y, u, "complete"))[1]
+    )
+    assert run(kf, jnp.asarray(ys[0]), jnp.asarray(us[0]))  # its result is used
+    fitted, lls = kf.fit_em(ys, us=us, num_iters=1)
+    new, _ = np_em_step(start, list(zip(ys, us)), prior_at=prior_at)
+    _assert_model(fitted, new, rtol=1e-8, atol=1e-10)
+    ll = sum(filter_reference(new, y, u, prior_at)["ll"].sum() for y, u in zip(ys, us))
+    np.testing.assert_allclose(lls, [ll], rtol=1e-10)
+
+
+def test_not_settled_e_step_matches_hand_formulas():
+    """A covariance still moving after the exact head (barely observed): the E-step
+    falls back to the smoother."""
+    rng = np.random.default_rng(14)
+    c, s = np.cos(0.01), np.sin(0.01)
+    start = dict(
+        F=0.9995 * np.array([[c, -s], [s, c]]), H=np.array([[0.02, 0.01]]),
+        Q=1e-3 * np.eye(2), R=np.eye(1), m0=np.zeros(2), P0=np.eye(2),
+    )  # fmt: skip
+    ys = simulate(rng, start, STEADY_T)
+    kf = build(start, eqx_seq.SequentialScan())
+    assert not settled(kf, jnp.asarray(ys))
+    fitted, lls = kf.fit_em(ys, num_iters=1)
+    new, _ = np_em_step(start, [(ys, None)])
+    _assert_model(fitted, new, rtol=1e-7, atol=1e-10)
+
+
+def test_float32_complete_data_matches_float64():
+    """The steady-state E-step in float32 (32 exact steps, then settled) against
+    three float64 NumPy EM iterations from the same start."""
+    start, _, _ = _problem(31, n=4, p=2)
+    rng = np.random.default_rng(32)
+    ys = simulate(rng, random_model(rng, 4, 2), 500)
+    kf = build(start, eqx_seq.SequentialScan(), dtype=jnp.float32)
+    assert settled(kf, jnp.asarray(ys, jnp.float32))
+    fitted, lls = kf.fit_em(ys.astype(np.float32), num_iters=3)
+    model, ref = start, []
+    for _ in range(3):
+        model, _ = np_em_step(model, [(ys, None)])
+        ref.append(filter_reference(model, ys)["ll"].sum())
+    np.testing.assert_allclose(lls, ref, rtol=1e-5)
+    for k, v in _params(fitted).items():
+        np.testing.assert_allclose(v, model[k], rtol=1e-3, atol=1e-3, err_msg=k)
 
 
 # --- the log-likelihood trace ---
@@ -363,6 +428,19 @@ def test_batch_is_the_sum_of_its_sequences():
     np.testing.assert_allclose(lls_two, 2 * np.asarray(lls_one), rtol=1e-10)
 
 
+def _simulate_fast(rng, model, T):
+    """`simulate` without controls, the noise drawn at once."""
+    n, p = model["H"].shape[1], model["H"].shape[0]
+    q = rng.normal(size=(T, n)) @ np.linalg.cholesky(model["Q"]).T
+    r = rng.normal(size=(T, p)) @ np.linalg.cholesky(model["R"]).T
+    x = model["m0"] + np.linalg.cholesky(model["P0"]) @ rng.normal(size=n)
+    xs = []
+    for t in range(T):
+        x = model["F"] @ x + q[t]
+        xs.append(x)
+    return np.array(xs) @ model["H"].T + r
+
+
 def test_recovers_a_known_model():
     """Long simulated data, H held at its true value (which fixes the state's basis):
     F, Q, R and the log-likelihood come back close to the truth."""
@@ -376,7 +454,7 @@ def test_recovers_a_known_model():
         m0=np.zeros(n),
         P0=np.eye(n),
     )
-    ys = _missing(rng, simulate(rng, true, T), frac=0.1)
+    ys = _missing(rng, _simulate_fast(rng, true, T), frac=0.1)
     start = dict(true, F=0.5 * np.eye(n), Q=np.eye(n), R=np.eye(p))
     kf = build(start, eqx_seq.SequentialScan())
     fixed = {"H": True, "m0": True, "P0": True}

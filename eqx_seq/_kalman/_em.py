@@ -21,7 +21,7 @@ from jaxtyping import Array
 
 from .._misc import full_precision
 from .._scan import AbstractScan
-from ._dispatch import by_whitening, filter_, smooth_problem
+from ._dispatch import by_whitening, smooth_problem
 from ._em_spec import _Fixed, as_array
 from ._linalg import (
     _bmm,
@@ -35,7 +35,8 @@ from ._linalg import (
     _unfactor,
 )
 from ._problem import _bt, _Model, _model, _Problem, prepare
-from ._results import KalmanSmootherResult
+from ._smooth_steady import _SmoothedSums, smoothed_sums_steady
+from ._steady import _may_settle
 from ._step import first_prediction
 
 
@@ -86,11 +87,12 @@ def _smoothed_x0(model: _Model, m1: Array, P1: Array, c1: Array | None):
 
 
 def _completed_observations(
-    problem: _Problem, sm: KalmanSmootherResult, ys, us, L_R, D, per_step, complete
+    problem: _Problem, ms, Ps, ys, us, L_R, D, per_step, complete
 ):
-    """The moments of the completed observations `y_t` (missing entries latent):
-    their means `(T, p)`, and the covariances `Cov[y_t]` and `Cov[y_t, x_t]`
-    (summed over the steps unless `per_step`).
+    """The moments of the completed observations `y_t` (missing entries latent)
+    from the smoothed means `ms` and covariances `Ps`: their means `(T, p)`, and
+    the covariances `Cov[y_t]` and `Cov[y_t, x_t]` (summed over the steps unless
+    `per_step`).
 
     Given `x_t` and the observed entries, `y_t = H x_t + D u_t + K_t (w_t - W_t H
     x_t) + eta_t` with `K_t = R W_t^T`, `w_t` the whitened observed entries and
@@ -99,8 +101,7 @@ def _completed_observations(
     padded with zeros). With complete data `y_t` is known.
     """
     T, p = ys.shape
-    n = sm.means.shape[1]
-    ms, Ps = sm.means, sm.covs
+    n = problem.model.m0.shape[0]
     if complete:
         shape = (T,) if per_step else ()
         zeros = lambda *s: jnp.zeros((*shape, *s), ys.dtype)
@@ -122,54 +123,89 @@ def _completed_observations(
     return my, _sym(Vyy), Vyx
 
 
+def _smoothed(kf: "KalmanFilter", ys, us, scan: AbstractScan, per_step: bool):
+    """The smoother's statistics (summed over the steps unless `per_step`) and the
+    completed observations' moments. For a time-invariant model with complete data
+    the sums come from the steady-state filter (`_smooth_steady`) where it settles
+    and the smoother converges, else from the smoother."""
+    L_R = _factor(kf.R_factor)
+
+    def exact(problem, complete):
+        sm = smooth_problem(problem, scan)
+        ms, Ps, cross = sm.means, sm.covs, sm.cross_covs
+        obs = _completed_observations(
+            problem, ms, Ps, ys, us, L_R, kf.D, per_step, complete
+        )
+        if not per_step:
+            Ps, cross = jnp.sum(Ps, axis=0), jnp.sum(cross, axis=0)
+        ll = sm.filtered.log_likelihood
+        return _SmoothedSums(ms, sm.covs[0], sm.covs[-1], Ps, cross, ll), obs
+
+    def work(whitening):
+        problem = prepare(kf, ys, us, whitening)
+        complete = whitening == "complete"
+        steady = not (per_step or scan.parallel) and kf._steady_state
+        if not (complete and steady and _may_settle(problem)):
+            return exact(problem, complete)
+        sums, ok = smoothed_sums_steady(problem)
+        obs = _completed_observations(
+            problem, None, None, ys, us, L_R, kf.D, per_step, complete
+        )
+        return lax.cond(ok, lambda: (sums, obs), lambda: exact(problem, complete))
+
+    return by_whitening(ys, scan, work)
+
+
 def _sequence_moments(
     kf: "KalmanFilter", ys: Array, us: Array | None, scan: AbstractScan
 ) -> tuple[tuple[_Moments, _Moments, _Moments], Array]:
     """The E-step on one sequence: the moments of the prior, transition and
     emission regressions, and the log-likelihood."""
-    L_R = _factor(kf.R_factor)
     per_step_x, per_step_y = kf.F.ndim == 3, kf.H.ndim == 3
-
-    def work(whitening):
-        problem = prepare(kf, ys, us, whitening)
-        sm = smooth_problem(problem, scan)
-        obs = _completed_observations(
-            problem, sm, ys, us, L_R, kf.D, per_step_y, whitening == "complete"
-        )
-        return sm, obs
-
-    sm, (my, Vyy, Vyx) = by_whitening(ys, scan, work)
+    per_step = per_step_x or per_step_y
+    sm, (my, Vyy, Vyx) = _smoothed(kf, ys, us, scan, per_step)
     T, n = sm.means.shape
     c = 0 if us is None else us.shape[1]
     k = n + c
-    ms, Ps = sm.means, sm.covs
-    if kf.prior_at == "x1":
+    ms = sm.means
+    x1 = kf.prior_at == "x1"
+    if x1:
         # the prior is x_1's; transitions into x_2..x_T
-        m0, P0 = ms[0], Ps[0]
-        cross, mprev, prev = sm.cross_covs, ms[:-1], Ps[:-1]
-        xs, Pxs, u_x = ms[1:], Ps[1:], None if us is None else us[1:]
+        m0, P0 = ms[0], sm.first
+        mprev, xs, u_x = ms[:-1], ms[1:], None if us is None else us[1:]
     else:
         # x_0 smoothed too; transitions into x_1..x_T
         c1 = None if us is None else us[:1] @ kf.B.T
-        m0, P0, C01 = _smoothed_x0(_model(kf), ms[0], Ps[0], c1)
-        cross = jnp.concatenate([C01[None], sm.cross_covs])
-        mprev = jnp.concatenate([m0[None], ms[:-1]])
-        prev = jnp.concatenate([P0[None], Ps[:-1]])
-        xs, Pxs, u_x = ms, Ps, us
+        m0, P0, C01 = _smoothed_x0(_model(kf), ms[0], sm.first, c1)
+        mprev, xs, u_x = jnp.concatenate([m0[None], ms[:-1]]), ms, us
+    # the covariances of the targets x_t, of the regressors x_{t-1}, and
+    # Cov[x_t, x_{t-1}]
+    if per_step:
+        Ps, cross = sm.covs, sm.cross
+        if x1:
+            Vyy_x, Vzz_x, Vyz_x = Ps[1:], Ps[:-1], _mT(cross)
+        else:
+            Vyy_x, Vzz_x = Ps, jnp.concatenate([P0[None], Ps[:-1]])
+            Vyz_x = _mT(jnp.concatenate([C01[None], cross]))
+        if not per_step_x:
+            Vyy_x, Vyz_x, Vzz_x = (jnp.sum(V, 0) for V in (Vyy_x, Vyz_x, Vzz_x))
+        Vzz_y = Ps if per_step_y else jnp.sum(Ps, axis=0)
+    else:
+        S = sm.covs
+        if x1:
+            Vyy_x, Vzz_x, Vyz_x = S - sm.first, S - sm.last, _mT(sm.cross)
+        else:
+            Vyy_x, Vzz_x, Vyz_x = S, P0 + S - sm.last, _mT(C01 + sm.cross)
+        Vzz_y = S
     zero = lambda *shape: jnp.zeros(shape, ms.dtype)
     prior = _Moments(m0[None], zero(1, 1) + 1, P0, zero(n, 1), zero(1, 1))
-    # Cov[x_{t-1}, x_t] is `cross[t]^T`
-    Vyy_x, Vyz, Vzz = Pxs, _mT(cross), prev
-    if not per_step_x:
-        Vyy_x, Vyz, Vzz = (jnp.sum(V, axis=0) for V in (Vyy_x, Vyz, Vzz))
     transition = _Moments(
-        xs, _with_controls(mprev, u_x), Vyy_x, _pad(Vyz, n, k), _pad(Vzz, k, k)
+        xs, _with_controls(mprev, u_x), Vyy_x, _pad(Vyz_x, n, k), _pad(Vzz_x, k, k)
     )
-    Vzz = Ps if per_step_y else jnp.sum(Ps, axis=0)
     emission = _Moments(
-        my, _with_controls(ms, us), Vyy, _pad(Vyx, Vyx.shape[-2], k), _pad(Vzz, k, k)
+        my, _with_controls(ms, us), Vyy, _pad(Vyx, Vyx.shape[-2], k), _pad(Vzz_y, k, k)
     )
-    return (prior, transition, emission), sm.filtered.log_likelihood
+    return (prior, transition, emission), sm.log_likelihood
 
 
 def _outer_sum(a: Array, b: Array) -> Array:
@@ -320,14 +356,14 @@ def fit_em(
     params, static = eqx.partition(kf, eqx.is_inexact_array)
     e_step = jax.vmap(_sequence_moments, in_axes=(None, 0, 0, None))
 
-    def iteration(params, _):
+    def iteration(params, last):
         kf = eqx.combine(params, static)
         moments, lls = e_step(kf, ys, us, scan)
-        kf = _m_step(kf, moments, spec)
-        return eqx.partition(kf, eqx.is_inexact_array)[0], jnp.sum(lls)
+        new = eqx.partition(_m_step(kf, moments, spec), eqx.is_inexact_array)[0]
+        # the last pass is an E-step only: the final parameters' log-likelihood
+        new = jax.tree.map(lambda a, b: jnp.where(last, a, b), params, new)
+        return new, jnp.sum(lls)
 
-    params, lls = lax.scan(iteration, params, None, length=num_iters)
-    kf = eqx.combine(params, static)
-    # the log-likelihood of the last parameters: one more filter
-    last = jax.vmap(lambda y, u: filter_(kf, y, u, scan).log_likelihood)(ys, us)
-    return kf, jnp.concatenate([lls[1:], jnp.sum(last)[None]])
+    last = jnp.arange(num_iters + 1) == num_iters
+    params, lls = lax.scan(iteration, params, last)
+    return eqx.combine(params, static), lls[1:]
