@@ -478,6 +478,21 @@ def test_float32_stays_finite_and_climbs():
     np.linalg.cholesky(np.asarray(fitted.Q, np.float64))  # positive definite
 
 
+def test_the_loop_is_traced_once(monkeypatch):
+    """All iterations are one compiled program: the M-step is traced once, and a
+    second fit of the same shapes traces nothing."""
+    from eqx_seq._kalman import _em
+
+    traced = []
+    m_step = _em._m_step
+    monkeypatch.setattr(_em, "_m_step", lambda *a: traced.append(1) or m_step(*a))
+    start, ys, _ = _problem(40, n=2, p=1, T=7)
+    kf = build(start, eqx_seq.SequentialScan())
+    kf.fit_em(ys, num_iters=6)
+    kf.fit_em(ys + 1.0, num_iters=6)
+    assert len(traced) == 1
+
+
 # --- bad input ---
 def test_bad_input():
     start, ys, _ = _problem(8, T=10)

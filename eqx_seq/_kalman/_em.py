@@ -1,12 +1,14 @@
 """Expectation-maximisation for `KalmanFilter.fit_em`.
 
-Each iteration runs the smoother on every sequence (the E-step), turns its moments
-into the expected sufficient statistics of three linear regressions with Gaussian
-noise (`x_0` on 1 for `m0, P0`; `x_t` on `[x_{t-1}; u_t]` for `[F B], Q`; `y_t` on
-`[x_t; u_t]` for `[H D], R`), and solves each in closed form (the M-step). Missing
-entries of `y_t` are latent too, with their conditional moments given `x_t` and the
-observed entries. Entries held fixed make a coefficient's M-step a weighted least
-squares on its free entries. See `docs/devdocs/kalman.md`, "Expectation-maximisation".
+Each iteration runs the smoother on every sequence (the E-step; for complete data
+and a time-invariant model, the steady-state filter's sums, `_smooth_steady`),
+turns its moments into the expected sufficient statistics of three linear
+regressions with Gaussian noise (`x_0` on 1 for `m0, P0`; `x_t` on
+`[x_{t-1}; u_t]` for `[F B], Q`; `y_t` on `[x_t; u_t]` for `[H D], R`), and solves
+each in closed form (the M-step). Missing entries of `y_t` are latent too, with
+their conditional moments given `x_t` and the observed entries. Entries held fixed
+make a coefficient's M-step a weighted least squares on its free entries. See
+`docs/devdocs/kalman.md`, "Expectation-maximisation".
 """
 
 from typing import TYPE_CHECKING
