@@ -26,7 +26,8 @@ class KalmanFilter(eqx.Module):
     r"""A linear-Gaussian state-space model: Kalman filter, RTS smoother, sampler.
 
     The model, for steps `t = 1, ..., T` (row `t - 1` of every array), starting
-    from `x_0 ~ N(m0, P0)` (before the first observation):
+    from `x_0 ~ N(m0, P0)` (before the first observation; `prior_at="x1"` puts the
+    prior on `x_1`, and `initialization` may make it stationary or diffuse):
 
     $$x_t = F_t x_{t-1} + B u_t + q_t, \quad q_t \sim N(0, Q_t)$$
     $$y_t = H_t x_t + D u_t + r_t, \quad r_t \sim N(0, R_t)$$
