@@ -137,15 +137,10 @@ def fixed_spec(kf: "KalmanFilter", fixed: Any, num_steps: int) -> _Fixed:
 
 
 def _check_prior(kf: "KalmanFilter", spec: _Fixed, num_steps: int) -> _Fixed:
-    """The prior's options: a diffuse prior has no smoother here; a stationary one
-    is a function of `F` and `Q` (its `m0`, `P0` unused), whose M-step would then
-    have no closed form, so they are held; with `prior_at="x1"` one step has no
-    transition to fit."""
-    if kf.initialization == "diffuse":
-        raise ValueError(
-            f'{_WHERE}: not available with initialization="diffuse" (the E-step '
-            'needs the smoother); use "known" with a large `P0`.'
-        )
+    """The prior's options (a diffuse one is refused by the layer, with the
+    smoother): a stationary prior is a function of `F` and `Q` (its `m0`, `P0`
+    unused), whose M-step would then have no closed form, so they are held; with
+    `prior_at="x1"` one step has no transition to fit."""
     if kf.initialization == "stationary":
         if spec.F is not True or spec.Q is not True:
             raise ValueError(

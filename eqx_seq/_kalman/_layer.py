@@ -461,9 +461,11 @@ class KalmanFilter(eqx.Module):
         **Raises:**
 
         `ValueError` for a `fixed` spec that does not match the parameters, a free
-        time-varying matrix, `num_iters < 1` or inconsistent shapes.
+        time-varying matrix, `num_iters < 1` or inconsistent shapes;
+        `NotImplementedError` with `initialization="diffuse"`.
         """
         ys, us = check_data(self, ys, us, num_iters)
+        self._not_diffuse("fit_em")  # the E-step is the smoother
         spec = fixed_spec(self, fixed, ys.shape[1])
         return fit_em(self, ys, us, num_iters, spec, backend(self.scan))
 
