@@ -356,7 +356,15 @@ def fit_em(
     `(batch, T, c)`: the fitted filter and the log-likelihood after each iteration
     (summed over the sequences), in one compiled program."""
     params, static = eqx.partition(kf, eqx.is_inexact_array)
-    e_step = jax.vmap(_sequence_moments, in_axes=(None, 0, 0, None))
+    if ys.shape[0] == 1:
+        # one sequence without `vmap`, under which the sequential loops run slower
+        def e_step(kf, ys, us, scan):
+            u = None if us is None else us[0]
+            out = _sequence_moments(kf, ys[0], u, scan)
+            return jax.tree.map(lambda x: x[None], out)
+
+    else:
+        e_step = jax.vmap(_sequence_moments, in_axes=(None, 0, 0, None))
 
     def iteration(params, last):
         kf = eqx.combine(params, static)
