@@ -82,6 +82,15 @@ BENCHES = {
         panels=2,
         can_plot=solvers.kalman_can_plot,
     ),
+    "kalman_em": dict(
+        title="Kalman filter: expectation-maximisation",
+        script="bench_kalman.py --em",
+        what="`KalmanFilter.fit_em` against dynamax's `LinearGaussianSSM.fit_em` "
+        "(the same data and start, complete data), and ours with 10% of the entries "
+        "missing.",
+        tables=solvers.kalman_em_tables,
+        summary=solvers.kalman_em_summary,
+    ),
 }
 
 
@@ -201,7 +210,8 @@ def render(results, out, plots=True):
     for bench, machines in data.items():
         spec = BENCHES.get(bench, {})
         lines += [f"## {spec.get('title', bench)}", ""]
-        lines += [f"`benchmarks/bench_{bench}.py`: {spec.get('what', '')}".rstrip(), ""]
+        script = spec.get("script", f"bench_{bench}.py")
+        lines += [f"`benchmarks/{script}`: {spec.get('what', '')}".rstrip(), ""]
         for machine, (path, payload) in machines.items():
             rel = os.path.abspath(path)
             if rel.startswith(ROOT + os.sep):
