@@ -211,3 +211,12 @@ def check_data(
     kf._inputs(ys[0], None if us is None else us[0], "fit_em")
     dtype = kf.m0.dtype
     return ys.astype(dtype), None if us is None else us.astype(dtype)
+
+
+def check_fit_em(
+    kf: "KalmanFilter", ys: Any, us: Any, num_iters: Any, fixed: Any
+) -> tuple[Array, Array | None, _Fixed]:
+    """`fit_em`'s inputs, checked: the data as batches (`check_data`) and the
+    normalised spec (`fixed_spec`)."""
+    ys, us = check_data(kf, ys, us, num_iters)
+    return ys, us, fixed_spec(kf, fixed, ys.shape[1])

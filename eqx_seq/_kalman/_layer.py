@@ -13,7 +13,7 @@ from .._misc import check_parameter_dtype, check_positive_int, full_precision
 from .._scan import AbstractScan, AutoScan
 from ._dispatch import backend, filter_, smooth
 from ._em import fit_em
-from ._em_spec import check_data, fixed_spec
+from ._em_spec import check_fit_em
 from ._fisher import fisher_log_likelihood
 from ._initial import check_options, Initialization, prior, PriorAt
 from ._linalg import _factor, _gram
@@ -425,48 +425,37 @@ class KalmanFilter(eqx.Module):
         us: Float[ArrayLike, "*batch T c"] | None = None,
         fixed: Any = None,
     ) -> tuple["KalmanFilter", Float[Array, " num_iters"]]:
-        """Fit the model by expectation-maximisation (Shumway & Stoffer 1982).
-
-        Every iteration runs the smoother (the E-step) and updates the parameters in
-        closed form (the M-step); missing (NaN) entries are latent variables too, so
-        the E-step is exact and the log-likelihood never decreases. The loop is one
-        compiled program.
+        """Fit the model by expectation-maximisation (Shumway & Stoffer 1982): the
+        smoother, then closed-form updates, in one compiled loop. Missing (NaN)
+        entries are latent too, so the log-likelihood never decreases.
 
         **Arguments:**
 
-        - `ys`: observations, shape `(T, obs_size)`, or `(batch, T, obs_size)` for
-            several sequences of one length (their statistics are summed); NaN
-            marks a missing entry.
+        - `ys`: observations `(T, obs_size)`, or `(batch, T, obs_size)` for several
+            sequences (their statistics are summed); NaN marks a missing entry.
         - `num_iters`: the number of iterations, at least 1.
-        - `us`: controls, shape `(T, control_size)` (or with the batch axis), iff
-            `control_size > 0`; then `B` and `D` are fitted too.
-        - `fixed`: what to hold fixed (`True`) rather than fit. `None` fits every
-            parameter. A dict from names `"F"`, `"H"`, `"B"`, `"D"`, `"m0"`, `"Q"`,
-            `"R"`, `"P0"` to a bool or, for `F`, `H`, `B`, `D` and `m0`, a boolean
-            array of the parameter's shape (per entry); or a `KalmanFilter`-shaped
-            pytree of the same (an Equinox filter spec, e.g. from
-            `jax.tree.map(lambda _: False, kf)`, with `Q_factor`, `R_factor`,
-            `P0_factor` for the covariances). Covariances are fixed or free as a
-            whole. A time-varying matrix must be held fixed; a time-varying `Q`
-            (`R`) also holds `F` and `B` (`H` and `D`).
+        - `us`: controls `(T, control_size)` (with the batch axis if `ys` has
+            one), iff `control_size > 0`; `B` and `D` are then fitted too.
+        - `fixed`: what to hold (`True`); `None` fits everything. A dict from
+            `"F"`, `"H"`, `"B"`, `"D"`, `"m0"`, `"Q"`, `"R"`, `"P0"` to a bool or,
+            except for the covariances, a boolean mask of the matrix's shape; or a
+            `KalmanFilter`-shaped pytree of them (a filter spec, fields `Q_factor`,
+            ...). Time-varying matrices must be held.
 
         **Returns:**
 
-        `(fitted, log_likelihoods)`: the fitted [`eqx_seq.KalmanFilter`][] (same
-        backend, sizes and fixed parameters), and `log_likelihoods[i]`, the
-        log-likelihood of `ys` (summed over the sequences) under the parameters after
-        iteration `i + 1`, shape `(num_iters,)`; the last entry is
-        `fitted.log_likelihood(ys)`.
+        `(fitted, log_likelihoods)`: the fitted [`eqx_seq.KalmanFilter`][], and
+        `log_likelihoods[i]`, the log-likelihood of `ys` (summed over sequences)
+        after iteration `i + 1`; the last is `fitted.log_likelihood(ys)`.
 
         **Raises:**
 
         `ValueError` for a `fixed` spec that does not match the parameters, a free
-        time-varying matrix, `num_iters < 1` or inconsistent shapes;
-        `NotImplementedError` with `initialization="diffuse"`.
+        time-varying matrix, `num_iters < 1` or bad shapes; `NotImplementedError`
+        with `initialization="diffuse"`. See `docs/usage/kalman.md`.
         """
-        ys, us = check_data(self, ys, us, num_iters)
         self._not_diffuse("fit_em")  # the E-step is the smoother
-        spec = fixed_spec(self, fixed, ys.shape[1])
+        ys, us, spec = check_fit_em(self, ys, us, num_iters, fixed)
         return fit_em(self, ys, us, num_iters, spec, backend(self.scan))
 
 
