@@ -33,9 +33,22 @@ backends: the filter, the smoother (for scale), `forecast(ys, 100)` and
 Each backend runs in a subprocess with a timeout (`--extras-timeout`). Results in
 `results/<machine>/kalman_extras.json`.
 
+With `--em`, instead: one EM iteration, `kf.fit_em` against dynamax's
+`LinearGaussianSSM.fit_em` (no biases), float32, complete data (dynamax has no
+missing data; ours also with 10% of the entries missing, for its cost), state
+4 / obs 2 and 16 / 8, T in {1k, 10k}: the same data (drawn
+from another model) and the same initial parameters, ours with `prior_at="x1"`
+(dynamax's convention, so that both run the same EM). Both loops are compiled
+whole (`lax.scan` over iterations); "ms/iter" is the median time of `--em-iters`
+iterations divided by their number (ours includes the one E-step after the last
+iteration, which gives the last log-likelihood). The trace check compares the
+log-likelihoods: our entry i (after iteration i + 1) is dynamax's entry i + 1
+(before its iteration i + 2).
+
     python benchmarks/bench_kalman.py            # a few minutes
     python benchmarks/bench_kalman.py --quick    # T=1k only, one size: a smoke test
     python benchmarks/bench_kalman.py --extras   # forecasts and posterior samples
+    python benchmarks/bench_kalman.py --em       # EM vs dynamax, a few minutes
 """
 
 import argparse
@@ -47,6 +60,7 @@ import time
 
 import equinox as eqx
 import jax
+import jax.numpy as jnp
 import jax.random as jr
 
 import eqx_seq
@@ -63,13 +77,14 @@ from _timing import (  # noqa: E402
 
 
 try:
+    from dynamax.linear_gaussian_ssm import LinearGaussianSSM
     from dynamax.linear_gaussian_ssm.inference import (
         lgssm_filter,
         lgssm_smoother,
         make_lgssm_params,
     )
 except ImportError:  # optional anchor (the `benchmarks` extra)
-    lgssm_filter = None
+    lgssm_filter = LinearGaussianSSM = None
 
 
 def model(n, p, backend, **private):
@@ -231,6 +246,92 @@ def extras(args, info):
     write_json(args.json or results_path("kalman_extras"), payload)
 
 
+def em_programs(n, p, T, iters):
+    """Our `fit_em` and dynamax's on the same data and initial parameters."""
+    start = eqx_seq.KalmanFilter(
+        n, p, scan=eqx_seq.SequentialScan(), prior_at="x1", key=jr.key(0)
+    )
+    truth = eqx_seq.KalmanFilter(n, p, prior_at="x1", key=jr.key(1))
+    _, ys = truth.sample(jr.key(2), T)
+    ours = eqx.filter_jit(lambda kf, ys: kf.fit_em(ys, num_iters=iters))
+    progs = {"ours": (ours, (start, ys))}
+    traces, compile_s = {}, {}
+
+    def first_call(name, fn, args):
+        # compilation included: the time a user waits for the first fit
+        t0 = time.perf_counter()
+        traces[name] = jax.block_until_ready(fn(*args))[1]
+        compile_s[name] = time.perf_counter() - t0
+
+    first_call("ours", ours, (start, ys))
+    # ours with 10% of the entries missing (every step exact), for the cost
+    holes = jr.uniform(jr.key(3), ys.shape) < 0.1
+    progs["ours missing"] = (ours, (start, jnp.where(holes, jnp.nan, ys)))
+    first_call("ours missing", ours, progs["ours missing"][1])
+    if LinearGaussianSSM is not None:
+        lgssm = LinearGaussianSSM(
+            n, p, has_dynamics_bias=False, has_emissions_bias=False
+        )
+        params, props = lgssm.initialize(
+            jr.key(0),
+            initial_mean=start.m0,
+            initial_covariance=start.P0,
+            dynamics_weights=start.F,
+            dynamics_covariance=start.Q,
+            emission_weights=start.H,
+            emission_covariance=start.R,
+        )
+        theirs = jax.jit(
+            lambda params, ys: lgssm.fit_em(
+                params, props, ys, num_iters=iters, verbose=False
+            )
+        )
+        progs["dynamax"] = (theirs, (params, ys))
+        first_call("dynamax", theirs, (params, ys))
+    return progs, traces, compile_s
+
+
+def em_main(args, info):
+    iters = args.em_iters
+    payload = {"machine": info, "dtype": "float32", "iters": iters, "runs": {}}
+    print(
+        f"\nEM, {iters} iterations per call, ms per iteration (median of "
+        f"{args.repeats})\n"
+        f"{'n/p':>5s} {'T':>6s} {'ours':>9s} {'dynamax':>9s} {'x dynamax':>9s} "
+        f"{'compile s':>13s} {'trace max rel diff':>18s} {'ours 10% NaN':>12s}"
+    )
+    sizes = [(4, 2)] if args.quick else [(4, 2), (16, 8)]
+    lengths = [1000] if args.quick else [1000, 10_000]
+    for n, p in sizes:
+        for T in lengths:
+            progs, traces, first = em_programs(n, p, T, iters)
+            res = measure_many(progs, repeats=args.repeats)
+            per = {k: r["median_ms"] / iters for k, r in res.items()}
+            ours = traces["ours"]
+            row = {"ms_per_iter": per, "first_call_s": {}, "trace": {}}
+            row["trace"]["ours"] = [float(v) for v in ours]
+            compile_s = "/".join(
+                f"{first[k]:.1f}" for k in ("ours", "dynamax") if k in first
+            )
+            ratio, diff = "", ""
+            if "dynamax" in per:
+                theirs = traces["dynamax"]
+                row["trace"]["dynamax"] = [float(v) for v in theirs]
+                rel = abs(ours[:-1] - theirs[1:]) / abs(theirs[1:])
+                row["trace_max_rel_diff"] = float(rel.max()) if iters > 1 else None
+                row["speedup"] = per["dynamax"] / per["ours"]
+                ratio = f"{row['speedup']:8.1f}x"
+                diff = f"{rel.max():.1e}" if iters > 1 else "-"
+            row["first_call_s"] = first
+            print(
+                f"{n:>2d}/{p:<2d} {T:>6d} {per['ours']:9.2f} "
+                f"{per.get('dynamax', float('nan')):9.2f} {ratio:>9s} "
+                f"{compile_s:>13s} {diff:>18s} {per['ours missing']:12.2f}"
+            )
+            payload["runs"][f"{n}/{p}/{T}"] = row
+    write_json(args.em_json, payload)
+
+
 def main():
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -247,6 +348,13 @@ def main():
         "--extras)",
     )
     parser.add_argument("--extras-timeout", type=float, default=600)
+    parser.add_argument("--em", action="store_true", help="EM vs dynamax only")
+    parser.add_argument("--em-iters", type=int, default=10)
+    parser.add_argument(
+        "--em-json",
+        default=results_path("kalman_em"),
+        help="default: results/<machine>/kalman_em.json",
+    )
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--extras-child", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -268,6 +376,9 @@ def main():
         return
     if lgssm_filter is None:
         print("dynamax not installed: its rows are skipped (pip install dynamax)")
+    if args.em:
+        em_main(args, info)
+        return
     sizes = [(4, 2)] if args.quick else [(4, 2), (16, 8)]
     lengths = [1000] if args.quick else [1000, 10_000, 100_000]
     payload = {"machine": info, "dtype": "float32", "runs": {}}

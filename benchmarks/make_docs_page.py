@@ -91,6 +91,15 @@ BENCHES = {
         tables=solvers.kalman_extras_tables,
         summary=solvers.kalman_extras_summary,
     ),
+    "kalman_em": dict(
+        title="Kalman filter: expectation-maximisation",
+        script="bench_kalman.py --em",
+        what="`KalmanFilter.fit_em` against dynamax's `LinearGaussianSSM.fit_em` "
+        "(the same data and start, complete data), and ours with 10% of the entries "
+        "missing.",
+        tables=solvers.kalman_em_tables,
+        summary=solvers.kalman_em_summary,
+    ),
 }
 
 

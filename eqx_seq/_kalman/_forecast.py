@@ -9,6 +9,7 @@ import jax.numpy as jnp
 from jaxtyping import Array
 
 from .._misc import full_precision
+from ._checks import controls, observations
 from ._dispatch import backend, filter_
 from ._linalg import _factor, _gram, _mv, _sandwich, _sym
 from ._problem import _model, _per_step
@@ -29,7 +30,7 @@ def check_forecast(
         raise ValueError(
             f"{where}: `horizon` must be a non-negative int, got {horizon!r}."
         )
-    ys = kf._observations(ys, "forecast")
+    ys = observations(kf, ys, "forecast")
     T = ys.shape[0]
     if kf.num_steps is not None and T + horizon > kf.num_steps:
         raise ValueError(
@@ -43,7 +44,7 @@ def check_forecast(
             f"shape (T + horizon, control_size) = ({T + horizon}, "
             f"{kf.control_size}), got {jnp.shape(us)}."
         )
-    return ys, kf._controls(us, T + horizon, "forecast")
+    return ys, controls(kf, us, T + horizon, "forecast")
 
 
 def _steps(kf: "KalmanFilter", start: int, stop: int) -> "KalmanFilter":

@@ -1,42 +1,31 @@
-"""`KalmanFilter`: the layer, its checks, and its compiled entry points."""
+"""`KalmanFilter`: the layer and its compiled entry points."""
 
 from typing import Any
 
 import equinox as eqx
 import jax
-import jax.lax as lax
 import jax.numpy as jnp
-import jax.random as jr
 from jaxtyping import Array, ArrayLike, Float, PRNGKeyArray
 
-from .._misc import check_parameter_dtype, check_positive_int, full_precision
+from .._misc import check_parameter_dtype, check_positive_int
 from .._scan import AbstractScan, AutoScan
+from ._checks import check_length, controls, inputs, not_diffuse
 from ._dispatch import backend, filter_, smooth
+from ._em import fit_em
+from ._em_spec import check_fit_em
 from ._fisher import fisher_log_likelihood
-from ._forecast import check_forecast, forecast
 from ._initial import check_options, Initialization, prior, PriorAt
 from ._linalg import _factor, _gram
 from ._parameters import _Parameters, parameters_from_matrices, random_parameters
-from ._posterior_sample import posterior_sample
-from ._problem import _model, _per_step
+from ._predictive import _Predictive
 from ._results import (
     KalmanFilterResult,
-    KalmanForecastResult,
     KalmanSmootherResult,
-    KalmanState,
 )
-from ._streaming import (
-    check_control,
-    check_state,
-    check_streamable,
-    check_vector,
-    init_state,
-    predict,
-    update,
-)
+from ._sample import sample_prior
 
 
-class KalmanFilter(eqx.Module):
+class KalmanFilter(_Predictive):
     r"""A linear-Gaussian state-space model: Kalman filter, RTS smoother, sampler.
 
     The model, for steps `t = 1, ..., T` (row `t - 1` of every array), starting
@@ -239,69 +228,6 @@ class KalmanFilter(eqx.Module):
             return jnp.diag(jnp.full((n,), jnp.inf, self.m0.dtype))
         return _gram(prior(self)[1])
 
-    # --- checks ---
-
-    def _inputs(self, ys: Any, us: Any, caller: str) -> tuple[Array, Array | None]:
-        """Validate observations and controls; cast them to the parameters' dtype."""
-        ys = self._observations(ys, caller)
-        T = ys.shape[0]
-        self._check_length(T, caller)
-        return ys, self._controls(us, T, caller)
-
-    def _observations(self, ys: Any, caller: str) -> Array:
-        """Validate observations (any length); cast them to the parameters' dtype."""
-        ys = jnp.asarray(ys)
-        if not jnp.issubdtype(ys.dtype, jnp.floating):
-            raise ValueError(
-                f"eqx_seq.KalmanFilter.{caller}: `ys` must be floating (NaN marks a "
-                f"missing entry), got dtype {ys.dtype}."
-            )
-        if ys.ndim != 2 or ys.shape[1] != self.obs_size or ys.shape[0] < 1:
-            raise ValueError(
-                f"eqx_seq.KalmanFilter.{caller}: `ys` must have shape (T, obs_size) "
-                f"= (T, {self.obs_size}) with T >= 1, got {ys.shape}. Use `jax.vmap` "
-                "for a batch of sequences."
-            )
-        return ys.astype(self.m0.dtype)
-
-    def _not_diffuse(self, caller: str) -> None:
-        if self.initialization == "diffuse":
-            raise NotImplementedError(
-                f"eqx_seq.KalmanFilter.{caller}: not available with "
-                'initialization="diffuse" (the exact diffuse smoother is not '
-                'implemented); use "known" with a large `P0` (approximately '
-                "diffuse)."
-            )
-
-    def _check_length(self, T: int, caller: str) -> None:
-        if self.num_steps is not None and T != self.num_steps:
-            raise ValueError(
-                f"eqx_seq.KalmanFilter.{caller}: this model is time-varying with "
-                f"{self.num_steps} steps, but the sequence has {T}."
-            )
-
-    def _controls(self, us: Any, T: int, caller: str) -> Array | None:
-        c = self.control_size
-        if c == 0:
-            if us is not None:
-                raise ValueError(
-                    f"eqx_seq.KalmanFilter.{caller}: got controls `us` but this model "
-                    "has control_size=0."
-                )
-            return None
-        if us is None:
-            raise ValueError(
-                f"eqx_seq.KalmanFilter.{caller}: this model has control_size={c}; "
-                f"pass `us` of shape (T, {c})."
-            )
-        us = jnp.asarray(us)
-        if us.shape != (T, c) or not jnp.issubdtype(us.dtype, jnp.floating):
-            raise ValueError(
-                f"eqx_seq.KalmanFilter.{caller}: `us` must be a floating array of "
-                f"shape (T, control_size) = ({T}, {c}), got {us.shape} {us.dtype}."
-            )
-        return us.astype(self.m0.dtype)
-
     # --- inference ---
 
     @jax.named_scope("eqx_seq.KalmanFilter")
@@ -346,7 +272,7 @@ class KalmanFilter(eqx.Module):
         A [`eqx_seq.KalmanFilterResult`][]: filtered and predicted means and
         covariances, per-step log-likelihoods and their sum.
         """
-        ys, us = self._inputs(ys, us, "filter")
+        ys, us = inputs(self, ys, us, "filter")
         return _filter_jit(self, ys, us)
 
     @jax.named_scope("eqx_seq.KalmanFilter.log_likelihood")
@@ -372,7 +298,7 @@ class KalmanFilter(eqx.Module):
         filter and one smoother. `filter(ys).log_likelihood` is the same number with
         plain autodiff through the filter.
         """
-        ys, us = self._inputs(ys, us, "log_likelihood")
+        ys, us = inputs(self, ys, us, "log_likelihood")
         return _log_likelihood_jit(self, ys, us)
 
     @jax.named_scope("eqx_seq.KalmanFilter.smooth")
@@ -399,8 +325,8 @@ class KalmanFilter(eqx.Module):
         A [`eqx_seq.KalmanSmootherResult`][]: smoothed means and covariances,
         lag-one cross-covariances, and the filter's result.
         """
-        ys, us = self._inputs(ys, us, "smooth")
-        self._not_diffuse("smooth")
+        ys, us = inputs(self, ys, us, "smooth")
+        not_diffuse(self, "smooth")
         return _smooth_jit(self, ys, us)
 
     @jax.named_scope("eqx_seq.KalmanFilter.sample")
@@ -430,148 +356,51 @@ class KalmanFilter(eqx.Module):
                 "eqx_seq.KalmanFilter.sample: a diffuse prior (initialization="
                 '"diffuse") has no draws; use "known" or "stationary".'
             )
-        self._check_length(num_steps, "sample")
-        us = self._controls(us, num_steps, "sample")
-        return _sample_jit(self, key, num_steps, us)
+        check_length(self, num_steps, "sample")
+        us = controls(self, us, num_steps, "sample")
+        return sample_prior(self, key, num_steps, us)
 
-    @jax.named_scope("eqx_seq.KalmanFilter.forecast")
-    def forecast(
+    @jax.named_scope("eqx_seq.KalmanFilter.fit_em")
+    def fit_em(
         self,
-        ys: Float[ArrayLike, "T p"],
-        horizon: int,
+        ys: Float[ArrayLike, "*batch T p"],
         *,
-        us: Float[ArrayLike, "T_all c"] | None = None,
-    ) -> KalmanForecastResult:
-        """Forecast the states and observations of the `horizon` steps after `ys`.
-
-        The exact predictive distributions: the filter's prediction step iterated
-        from the last filtered moments, with the observation noise `R` in the
-        observations' covariances.
+        num_iters: int,
+        us: Float[ArrayLike, "*batch T c"] | None = None,
+        fixed: Any = None,
+    ) -> tuple["KalmanFilter", Float[Array, " num_iters"]]:
+        """Fit the model by expectation-maximisation (Shumway & Stoffer 1982): the
+        smoother, then closed-form updates, in one compiled loop. Missing (NaN)
+        entries are latent too, so the log-likelihood never decreases.
 
         **Arguments:**
 
-        - `ys`: observations, shape `(T, obs_size)`; NaN marks a missing entry.
-        - `horizon`: the number of steps to forecast, an int `>= 0`.
-        - `us`: controls, iff `control_size > 0`: those of the data's steps and
-            then of the forecast's, shape `(T + horizon, control_size)`.
+        - `ys`: observations `(T, obs_size)`, or `(batch, T, obs_size)` for several
+            sequences (their statistics are summed); NaN marks a missing entry.
+        - `num_iters`: the number of iterations, at least 1.
+        - `us`: controls `(T, control_size)` (with the batch axis if `ys` has
+            one), iff `control_size > 0`; `B` and `D` are then fitted too.
+        - `fixed`: what to hold (`True`); `None` fits everything. A dict from
+            `"F"`, `"H"`, `"B"`, `"D"`, `"m0"`, `"Q"`, `"R"`, `"P0"` to a bool or,
+            except for the covariances, a boolean mask of the matrix's shape; or a
+            `KalmanFilter`-shaped pytree of them (a filter spec, fields `Q_factor`,
+            ...). Time-varying matrices must be held.
 
         **Returns:**
 
-        A [`eqx_seq.KalmanForecastResult`][]: `p(x_{T+h} | y_1..y_T)` and
-        `p(y_{T+h} | y_1..y_T)` for `h = 1..horizon`.
-
-        A time-varying model has matrices for its `num_steps` steps only: with it,
-        `ys` may be shorter than `num_steps`, and `T + horizon <= num_steps`.
-        """
-        ys, us = check_forecast(self, ys, us, horizon)
-        return forecast(self, ys, us, horizon)
-
-    @jax.named_scope("eqx_seq.KalmanFilter.posterior_sample")
-    def posterior_sample(
-        self,
-        key: PRNGKeyArray,
-        ys: Float[ArrayLike, "T p"],
-        num_samples: int,
-        *,
-        us: Float[ArrayLike, "T c"] | None = None,
-    ) -> Float[Array, "num_samples T n"]:
-        """Draw state paths from the posterior `p(x_1..x_T | y_1..y_T)`.
-
-        Forward filtering, backward sampling (Frühwirth-Schnatter 1994; Carter &
-        Kohn 1994): backwards from `x_T`, each `x_t` is drawn given `x_{t+1}` and
-        the filtered moments of step `t`. A parallel backend composes these affine
-        draws with its `associative_scan`. The filter runs once for all samples.
-
-        **Arguments:**
-
-        - `key`: a `jax.random.key`.
-        - `ys`: observations, shape `(T, obs_size)`; NaN marks a missing entry.
-        - `num_samples`: the number of paths, an int `>= 1`.
-        - `us`: controls, shape `(T, control_size)`, iff `control_size > 0`.
-
-        **Returns:**
-
-        The paths `x_1..x_T`, shape `(num_samples, T, state_size)`.
-        """
-        check_positive_int("num_samples", num_samples)
-        ys, us = self._inputs(ys, us, "posterior_sample")
-        self._not_diffuse("posterior_sample")
-        return posterior_sample(self, key, ys, us, num_samples)
-
-    def init_state(self) -> KalmanState:
-        """The state to start online filtering from: the prior and a log-likelihood
-        of zero.
-
-        With `prior_at="x0"` the prior is the law of `x_0`, before the first
-        observation: every step `t` is `state = kf.predict(state)` then `state =
-        kf.update(state, y_t)`. With `prior_at="x1"` it is the law of `x_1`: the
-        first call is `update` (with `y_1`), then `predict` and `update` for every
-        later step. Either way the states are those of
-        [`eqx_seq.KalmanFilter.filter`][], step by step. With
-        `initialization="stationary"` the prior is the stationary law.
-
-        **Returns:**
-
-        An [`eqx_seq.KalmanState`][].
+        `(fitted, log_likelihoods)`: the fitted [`eqx_seq.KalmanFilter`][], and
+        `log_likelihoods[i]`, the log-likelihood of `ys` (summed over sequences)
+        after iteration `i + 1`; the last is `fitted.log_likelihood(ys)`.
 
         **Raises:**
 
-        `ValueError` for a time-varying model, whose matrices belong to given
-        steps (filter it as a whole sequence); `NotImplementedError` with
-        `initialization="diffuse"`.
+        `ValueError` for a `fixed` spec that does not match the parameters, a free
+        time-varying matrix, `num_iters < 1` or bad shapes; `NotImplementedError`
+        with `initialization="diffuse"`. See `docs/usage/kalman.md`.
         """
-        check_streamable(self, "init_state")
-        return init_state(self)
-
-    def predict(
-        self,
-        state: KalmanState,
-        *,
-        u: Float[ArrayLike, " c"] | None = None,
-    ) -> KalmanState:
-        """One transition of online filtering: `x_t = F x_{t-1} + B u_t + q_t`.
-
-        **Arguments:**
-
-        - `state`: an [`eqx_seq.KalmanState`][], about `x_{t-1}`.
-        - `u`: the controls `u_t`, shape `(control_size,)`, iff
-            `control_size > 0`.
-
-        **Returns:**
-
-        The predicted state, about `x_t` given the same observations; its
-        `log_likelihood` is unchanged.
-        """
-        check_streamable(self, "predict")
-        state = check_state(self, state, "predict")
-        return predict(self, state, check_control(self, u, "predict"))
-
-    def update(
-        self,
-        state: KalmanState,
-        y: Float[ArrayLike, " p"],
-        *,
-        u: Float[ArrayLike, " c"] | None = None,
-    ) -> KalmanState:
-        """Condition the state of online filtering on one observation `y_t`.
-
-        **Arguments:**
-
-        - `state`: an [`eqx_seq.KalmanState`][], the prediction of `x_t`.
-        - `y`: the observation `y_t`, shape `(obs_size,)`; NaN marks a missing
-            entry (a step with none leaves the state as it is).
-        - `u`: the controls `u_t` (for `D u_t`), shape `(control_size,)`, iff
-            `control_size > 0`.
-
-        **Returns:**
-
-        The filtered state, about `x_t` given the observations up to `y_t`, its
-        `log_likelihood` increased by `log p(y_t | y_1..y_{t-1})`.
-        """
-        check_streamable(self, "update")
-        state = check_state(self, state, "update")
-        y = check_vector(self, y, "y", self.obs_size, "update")
-        return update(self, state, y, check_control(self, u, "update"))
+        not_diffuse(self, "fit_em")  # the E-step is the smoother
+        ys, us, spec = check_fit_em(self, ys, us, num_iters, fixed)
+        return fit_em(self, ys, us, num_iters, spec, backend(self.scan))
 
 
 @eqx.filter_jit
@@ -590,43 +419,3 @@ def _log_likelihood_jit(kf: KalmanFilter, ys: Array, us: Array | None) -> Array:
         # Fisher's identity needs the smoother, which has no diffuse form here
         return filter_(kf, ys, us, backend(kf.scan)).log_likelihood
     return fisher_log_likelihood(kf, ys, us, backend(kf.scan))
-
-
-@eqx.filter_jit
-@full_precision
-def _sample_jit(kf: KalmanFilter, key, num_steps: int, us: Array | None):
-    model = _model(kf)
-    L_R = _factor(kf.R_factor)
-    n, p = kf.state_size, kf.obs_size
-    dtype = model.m0.dtype
-    k0, kq, kr = jr.split(key, 3)
-    x0 = model.m0 + model.L_P0 @ jr.normal(k0, (n,), dtype)
-    q = jr.normal(kq, (num_steps, n), dtype)
-    r = jr.normal(kr, (num_steps, p), dtype)
-    xs = {"q": q, "r": r}
-    mats = {"F": model.F, "L_Q": model.L_Q, "H": model.H, "L_R": L_R}
-    for name, x in mats.items():
-        if _per_step(x, 2):
-            xs[name] = x
-    if us is not None:
-        xs["Bu"] = us @ kf.B.T
-        xs["Du"] = us @ kf.D.T
-
-    if kf.prior_at == "x1":
-        # the prior's draw is x_1 itself: step 1 has no transition
-        xs["first"] = jnp.arange(num_steps) == 0
-
-    def step(x_prev, s):
-        get = lambda name: s[name] if name in s else mats[name]
-        x = get("F") @ x_prev + get("L_Q") @ s["q"]
-        if "Bu" in s:
-            x = x + s["Bu"]
-        if "first" in s:
-            x = jnp.where(s["first"], x_prev, x)
-        y = get("H") @ x + get("L_R") @ s["r"]
-        if "Du" in s:
-            y = y + s["Du"]
-        return x, (x, y)
-
-    _, (states, observations) = lax.scan(step, x0, xs)
-    return states, observations
