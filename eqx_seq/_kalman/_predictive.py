@@ -1,8 +1,6 @@
 """The predictive methods of `KalmanFilter`: forecasts, posterior samples and online
 filtering, in a base class so that the layer's file keeps its size."""
 
-from typing import TYPE_CHECKING
-
 import equinox as eqx
 import jax
 from jaxtyping import Array, ArrayLike, Float, PRNGKeyArray
@@ -23,13 +21,9 @@ from ._streaming import (
 )
 
 
-if TYPE_CHECKING:
-    pass
-
-
 class _Predictive(eqx.Module):
     """`KalmanFilter`'s `forecast`, `posterior_sample`, `init_state`, `predict` and
-    `update` (documented there); no fields of its own."""
+    `update`; no fields of its own (`KalmanFilter` holds them)."""
 
     @jax.named_scope("eqx_seq.KalmanFilter.forecast")
     def forecast(
