@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import jax.scipy.linalg as jsl
 
 from .._scan import AbstractScan
-from ._linalg import _cho_solve, _chol, _gram, _sym
+from ._linalg import _cho_solve, _chol, _gram, _jittered, _sym, inverse_cholesky
 from ._problem import _Model, _per_step, _Problem
 from ._results import _filter_result, KalmanFilterResult, KalmanSmootherResult
 from ._step import _predict, _update, first_prediction
@@ -120,7 +120,10 @@ def _smoother_elements(model: _Model, filtered: KalmanFilterResult):
 
     def element(m, P, m_pred_next, P_pred_next, F):
         FP = F @ P
-        Et = _cho_solve(_chol(P_pred_next), FP)  # E^T = P_pred^{-1} F P
+        # E^T = P_pred^{-1} F P, without LAPACK: one factorisation per step,
+        # batched over the steps, is the batched call that can deadlock (`_linalg`)
+        W = inverse_cholesky(_jittered(P_pred_next))
+        Et = W.T @ (W @ FP)
         g = m - Et.T @ m_pred_next
         L = _sym(P - Et.T @ FP)
         return Et.T, g, L

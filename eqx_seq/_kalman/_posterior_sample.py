@@ -20,7 +20,7 @@ from jaxtyping import Array, PRNGKeyArray
 
 from .._misc import full_precision
 from ._dispatch import backend, filter_
-from ._linalg import _chol
+from ._linalg import _jittered, cholesky
 from ._parallel import _combine_smoother, _smoother_elements
 from ._problem import _model
 
@@ -43,7 +43,9 @@ def posterior_sample(
     scan = backend(kf.scan)
     filtered = filter_(kf, ys, us, scan)
     E, g, L = _smoother_elements(_model(kf), filtered)
-    C = _chol(L)  # every L_t is positive definite: Q and P_t are
+    # every L_t is positive definite (Q and P_t are); factored without LAPACK,
+    # whose call batched over the steps can deadlock (`_linalg`)
+    C = cholesky(_jittered(L))
     T, n = g.shape
     eps = jr.normal(key, (num_samples, T, n), g.dtype)
 
