@@ -204,7 +204,7 @@ def kalman_can_plot(p):
     return len({T for _, T, _ in kalman_rows(p)}) > 1
 
 
-# --- bench_kalman.py --stiff ----------------------------------------------------------
+# --- bench_kalman_sqrt.py -------------------------------------------------------------
 def kalman_sqrt_tables(p):
     stiff = [
         [
@@ -259,4 +259,110 @@ def kalman_sqrt_summary(p):
     return (
         f"float32 within {max(ok):.4f} nats of float64 on the stiff models it can "
         f"represent; square-root / covariance form: {cost}"
+    )
+
+
+# --- bench_kalman.py --extras -------------------------------------------------------
+EXTRAS_PROGRAMS = ("filter", "smoother", "forecast (h=100)", "posterior_sample (100)")
+
+
+def kalman_extras_tables(p):
+    rows = []
+    for size, T, run in kalman_rows(p):
+        for label in ("seq", "par"):
+            res = run.get(label, {})
+            if "status" in res:
+                rows.append([size, T, label, res["status"]] + [DASH] * 6)
+                continue
+            t = {k.split(": ", 1)[1]: v["median_ms"] for k, v in res.items()}
+            f = t["filter"]
+            rows.append(
+                [size, T, label, ms(f)]
+                + [ms(t[k]) for k in EXTRAS_PROGRAMS[1:]]
+                + [times(t[k] / f) for k in EXTRAS_PROGRAMS[1:]]
+            )
+    out = [
+        f"{p['dtype']}, one sequence, the default `KalmanFilter(n, p)` model, complete "
+        'data; "x filter": the time over the same backend\'s filter in the same run '
+        "(each backend in its own subprocess).",
+        "",
+    ]
+    out += table(
+        "n/p | T | backend | filter ms | smoother ms | forecast ms | "
+        "posterior_sample ms | smoother x filter | forecast x filter | "
+        "posterior_sample x filter",
+        rows,
+        left=3,
+    )
+    steps = p.get("stream_step", {})
+    if steps:
+        out += [
+            "Online filtering, one `update(predict(state), y)` called from Python:",
+            "",
+        ]
+        out += table(
+            "n/p | ms per step",
+            [[size, ms(r["median_ms"])] for size, r in steps.items()],
+        )
+    return out
+
+
+def kalman_extras_summary(p):
+    fc, ps = [], []
+    for _, _, run in kalman_rows(p):
+        res = run.get("seq", {})
+        if "seq: filter" in res:
+            f = res["seq: filter"]["median_ms"]
+            fc.append(res["seq: forecast (h=100)"]["median_ms"] / f)
+            ps.append(res["seq: posterior_sample (100)"]["median_ms"] / f)
+    return (
+        f"sequential: forecast of 100 steps {span(fc)} the filter; 100 posterior "
+        f"paths {span(ps)} the filter"
+    )
+
+
+# --- bench_kalman.py --em -----------------------------------------------------------
+def kalman_em_tables(p):
+    rows = []
+    for size, T, run in kalman_rows(p):
+        t = run["ms_per_iter"]
+        first = run["first_call_s"]
+        rel = run.get("trace_max_rel_diff")
+        rows.append(
+            [
+                size,
+                T,
+                ms(t["ours"]),
+                ms(t.get("dynamax")),
+                times(div(t.get("dynamax"), t["ours"])),
+                ms(t.get("ours missing")),
+                f"{first['ours']:.1f}",
+                f"{first['dynamax']:.1f}" if "dynamax" in first else DASH,
+                DASH if rel is None else f"{rel:.1e}",
+            ]
+        )
+    out = [
+        f"{p['dtype']}, one sequence, {p['iters']} iterations per call (ours "
+        "includes the E-step after the last); ms per iteration; compile: the first "
+        "call, compilation included; trace: the largest relative difference of the "
+        "log-likelihoods after each iteration, ours against dynamax's.",
+        "",
+    ]
+    return out + table(
+        "n/p | T | ours ms | dynamax ms | speed-up | ours, 10% missing, ms | "
+        "ours compile s | dynamax compile s | trace rel. diff.",
+        rows,
+    )
+
+
+def kalman_em_summary(p):
+    ratios = {}
+    for size, _, run in kalman_rows(p):
+        t = run["ms_per_iter"]
+        if "dynamax" in t:
+            ratios.setdefault(size, []).append(t["dynamax"] / t["ours"])
+    if not ratios:
+        return DASH + " (dynamax not installed)"
+    return "vs dynamax, per iteration: " + ", ".join(
+        f"{faster(v)} ({s})" for s, v in ratios.items()
     )

@@ -24,15 +24,31 @@ float32, one sequence, constant model; state 4 / obs 2 and state 16 / obs 8; T i
   subprocess with a timeout: long `lax.associative_scan` programs have stalled on
   this CPU (benchmarks/README.md).
 
-With `--stiff`, instead: the square-root filter on stiff models (vague prior,
-precise observations) in float32 against float64, per case and backend, then its
-cost against the covariance-form filter (the private `_square_root=False`, the
-filter before the square-root form) on the non-stiff models above, interleaved in
-one run; JSON to results/<machine>/kalman_sqrt.json.
+With `--extras`, instead: forecasts and posterior samples, timed against our own
+filter ("x filter": the filter of the same backend in the same run). For state 4 /
+obs 2 and 16 / 8, T in {1k, 10k}, sequential ("seq") and parallel ("par")
+backends: the filter, the smoother (for scale), `forecast(ys, 100)` and
+`posterior_sample(key, ys, 100)`; and one step of online filtering
+(`update(predict(state), y)`, called from Python: its latency, T-independent).
+Each backend runs in a subprocess with a timeout (`--extras-timeout`). Results in
+`results/<machine>/kalman_extras.json`.
+
+With `--em`, instead: one EM iteration, `kf.fit_em` against dynamax's
+`LinearGaussianSSM.fit_em` (no biases), float32, complete data (dynamax has no
+missing data; ours also with 10% of the entries missing, for its cost), state
+4 / obs 2 and 16 / 8, T in {1k, 10k}: the same data (drawn
+from another model) and the same initial parameters, ours with `prior_at="x1"`
+(dynamax's convention, so that both run the same EM). Both loops are compiled
+whole (`lax.scan` over iterations); "ms/iter" is the median time of `--em-iters`
+iterations divided by their number (ours includes the one E-step after the last
+iteration, which gives the last log-likelihood). The trace check compares the
+log-likelihoods: our entry i (after iteration i + 1) is dynamax's entry i + 1
+(before its iteration i + 2).
 
     python benchmarks/bench_kalman.py            # a few minutes
     python benchmarks/bench_kalman.py --quick    # T=1k only, one size: a smoke test
-    python benchmarks/bench_kalman.py --stiff    # stiff table, then sqrt vs covariance
+    python benchmarks/bench_kalman.py --extras   # forecasts and posterior samples
+    python benchmarks/bench_kalman.py --em       # EM vs dynamax, a few minutes
 """
 
 import argparse
@@ -46,7 +62,6 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import jax.random as jr
-import numpy as np
 
 import eqx_seq
 
@@ -62,13 +77,14 @@ from _timing import (  # noqa: E402
 
 
 try:
+    from dynamax.linear_gaussian_ssm import LinearGaussianSSM
     from dynamax.linear_gaussian_ssm.inference import (
         lgssm_filter,
         lgssm_smoother,
         make_lgssm_params,
     )
 except ImportError:  # optional anchor (the `benchmarks` extra)
-    lgssm_filter = None
+    lgssm_filter = LinearGaussianSSM = None
 
 
 def model(n, p, backend, **private):
@@ -155,253 +171,165 @@ def parallel(n, p, T, repeats, timeout, use_lax):
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-# --- the square-root filter: stiff models, and its cost (`--stiff`) ---
-
-
-def _tracker(q, r, p0, T, start, rng, q_kind="cv"):
-    """The 2-D constant-velocity tracker (dt = 0.1, state 4, obs 2), `R = r I`,
-    `P0 = p0 I`; data from `start` (None: from the vague prior itself)."""
-    dt = 0.1
-    F = np.eye(4) + dt * np.eye(4, k=2)
-    cv = np.kron(np.array([[dt**3 / 3, dt**2 / 2], [dt**2 / 2, dt]]), np.eye(2))
-    Q = q * (cv if q_kind == "cv" else np.eye(4))
-    model = dict(F=F, H=np.eye(2, 4), Q=Q, R=r * np.eye(2), P0=p0 * np.eye(4))
-    x = rng.normal(size=4) * np.sqrt(p0) if start is None else np.asarray(start)
-    L_Q, ys = np.linalg.cholesky(Q), []
-    for _ in range(T):
-        x = F @ x + L_Q @ rng.normal(size=4)
-        ys.append(x[:2] + np.sqrt(r) * rng.normal(size=2))
-    return model, np.array(ys)
-
-
-def _random_stiff(n, p, r, p0, T, rng):
-    """A random stable model (`F = 0.95 U`), `R` about `r` times `Q`'s scale."""
-    U, _ = np.linalg.qr(rng.normal(size=(n, n)))
-    A, B = rng.normal(size=(n, n)), rng.normal(size=(p, p))
-    Q = 0.1 * (A @ A.T / n + 0.3 * np.eye(n))
-    model = dict(
-        F=0.95 * U, H=rng.normal(size=(p, n)), Q=Q,
-        R=r * (B @ B.T / p + 0.3 * np.eye(p)), P0=p0 * np.eye(n),
-    )  # fmt: skip
-    x, ys = rng.normal(size=n), []
-    for _ in range(T):
-        x = model["F"] @ x + rng.multivariate_normal(np.zeros(n), Q)
-        ys.append(model["H"] @ x + rng.multivariate_normal(np.zeros(p), model["R"]))
-    return model, np.array(ys)
-
-
-def stiff_cases(T=1000):
-    """name -> (model, float32 observations). The first are the issue's tracker
-    with data drawn from the vague prior itself (states of 1e2-1e5); the others
-    have states of a few units."""
-    rng = lambda: np.random.default_rng(0)
-    start = [1.0, -0.5, 0.05, 0.02]
-    cases = {}
-    for q, kind in ((1e-3, "I"), (1e-6, "I"), (1e-3, "cv")):
-        for p0, r in ((1e4, 1e-4), (1e6, 1e-6)):
-            name = f"tracker Q={q:.0e}{'I' if kind == 'I' else '*cv'} P0={p0:.0e} R={r:.0e}"
-            cases[name + " (from prior)"] = _tracker(q, r, p0, T, None, rng(), kind)
-    for q, kind in ((1e-4, "cv"), (1e-6, "I")):
-        for p0, r in ((1e4, 1e-4), (1e6, 1e-6)):
-            name = f"tracker Q={q:.0e}{'I' if kind == 'I' else '*cv'} P0={p0:.0e} R={r:.0e}"
-            cases[name] = _tracker(q, r, p0, T, start, rng(), kind)
-    model, ys = _tracker(1e-4, 1e-6, 1e6, T, start, rng())
-    ys[[3, 50, 400], 0] = np.nan
-    ys[[7, 600]] = np.nan
-    cases["tracker Q=1e-04*cv P0=1e+06 R=1e-06, missing"] = (model, ys)
-    for n, p in ((5, 2), (8, 3)):
-        for p0, r in ((1e4, 1e-4), (1e6, 1e-6)):
-            name = f"random {n}/{p} P0={p0:.0e} R={r:.0e}*Q"
-            cases[name] = _random_stiff(n, p, r, p0, T, rng())
-    return {k: (m, ys.astype(np.float32)) for k, (m, ys) in cases.items()}
-
-
-def _rounding_floor(model, ys):
-    """The float64 log-likelihood of a square-root filter (NumPy, float64) whose
-    means are rounded to float32 after every step: what representing the state in
-    float32 alone costs, whatever the algorithm."""
-
-    def tria(A):
-        R = np.linalg.qr(A.T, mode="r")
-        return (R * np.sign(np.diag(R))[:, None]).T
-
-    F, H, n = model["F"], model["H"], model["F"].shape[0]
-    L_Q = np.linalg.cholesky(model["Q"])
-    m, L, total = np.zeros(n), np.linalg.cholesky(model["P0"]), 0.0
-    r32 = lambda x: x.astype(np.float32).astype(np.float64)
-    for y in ys.astype(np.float64):
-        m_pred, L = r32(F @ m), tria(np.hstack([F @ L, L_Q]))
-        o = ~np.isnan(y)
-        k = int(o.sum())
-        if not k:
-            m = m_pred
-            continue
-        Ho, L_R = H[o], np.linalg.cholesky(model["R"][np.ix_(o, o)])
-        X = tria(np.block([[Ho @ L, L_R], [L, np.zeros((n, k))]]))
-        nu = np.linalg.solve(X[:k, :k], y[o] - Ho @ m_pred)
-        m, L = r32(m_pred + X[k:, :k] @ nu), X[k:, k:]
-        logdet = 2 * np.log(np.abs(np.diag(X[:k, :k]))).sum()
-        total += -0.5 * (k * np.log(2 * np.pi) + logdet + nu @ nu)
-    return total
-
-
-def _with_private(kf, **private):
-    """`kf` with private switches (`_square_root`, `_steady_state`) set."""
-    from eqx_seq._kalman._parameters import _Parameters
-
-    params = _Parameters(
-        kf.F, kf.H, kf.B, kf.D, kf.m0, kf.Q_factor, kf.R_factor, kf.P0_factor,
-        kf.num_steps,
-    )  # fmt: skip
-    return eqx_seq.KalmanFilter(
-        kf.state_size, kf.obs_size, scan=kf.scan, key=None, _parameters=params,
-        **private,
-    )  # fmt: skip
-
-
-_GRAD = eqx.filter_jit(eqx.filter_grad(lambda kf, ys: kf.log_likelihood(ys)))
-
-
-def _stiff_row(model, ys, scan):
-    """One case and backend: float32 and float64 log-likelihoods (the same float32
-    data), the covariance form's float32 one, whether the float32 filter, smoother
-    and gradient are finite, and the smallest `min eig / max eig` of the float32
-    filtered, predicted and smoothed covariances."""
-    n = model["F"].shape[0]
-    kf = lambda dtype: eqx_seq.KalmanFilter.from_matrices(
-        model["F"], model["H"], model["Q"], model["R"], np.zeros(n), model["P0"],
-        scan=scan, dtype=dtype,
-    )  # fmt: skip
-    kf32 = kf(jnp.float32)
-    f32, sm32 = kf32.filter(ys), kf32.smooth(ys)
-    grad = _GRAD(kf32, ys)
-    finite = all(
-        bool(jnp.all(jnp.isfinite(x))) for x in jax.tree.leaves((f32, sm32, grad))
-    )
-    ratio = []
-    for P in (f32.covs, f32.predicted_covs, sm32.covs):
-        ev = np.linalg.eigvalsh(np.asarray(P, np.float64))
-        ratio.append(float((ev[..., 0] / ev[..., -1]).min()))
-    cov32 = _with_private(kf32, _square_root=False).filter(ys)
-    ll64 = float(kf(jnp.float64).filter(ys.astype(np.float64)).log_likelihood)
+def extras_programs(n, p, T, label):
+    """Forecast and posterior sampling beside the filter, on one backend."""
+    scan = {"seq": eqx_seq.SequentialScan(), "par": eqx_seq.AssociativeScan()}[label]
+    kf = model(n, p, scan)
+    _, ys = kf.sample(jr.key(1), T)
+    filt = eqx.filter_jit(lambda kf, ys: kf.filter(ys))
+    smooth = eqx.filter_jit(lambda kf, ys: kf.smooth(ys))
+    fc = eqx.filter_jit(lambda kf, ys: kf.forecast(ys, 100))
+    draw = eqx.filter_jit(lambda kf, key, ys: kf.posterior_sample(key, ys, 100))
     return {
-        "float32": float(f32.log_likelihood),
-        "float64": ll64,
-        "covariance form float32": float(cov32.log_likelihood),
-        "finite": finite,
-        "min eig / max eig": min(ratio),
-        "float32 means floor": abs(_rounding_floor(model, ys) - ll64),
+        f"{label}: filter": (filt, (kf, ys)),
+        f"{label}: smoother": (smooth, (kf, ys)),
+        f"{label}: forecast (h=100)": (fc, (kf, ys)),
+        f"{label}: posterior_sample (100)": (draw, (kf, jr.key(2), ys)),
     }
 
 
-def stiff_table(T=1000):
-    print(
-        f"\nstiff models, T = {T}: log-likelihoods, float32 vs float64 on the same "
-        "(float32) data;\n'floor': what rounding a float64 filter's means to "
-        "float32 alone moves it by;\n'finite': the float32 filter, smoother and "
-        "gradient; 'min eig': the smallest min/max\neigenvalue ratio of the float32 "
-        "filtered, predicted and smoothed covariances;\n'cov f32': the "
-        "covariance-form filter's float32 log-likelihood"
-    )
-    print(
-        f"{'case':50s} {'backend':5s} {'float32':>12s} {'float64':>12s} "
-        f"{'|diff|':>8s} {'floor':>8s} {'finite':>6s} {'min eig':>9s} "
-        f"{'cov f32':>12s}"
-    )
-    rows = {}
-    for name, (model, ys) in stiff_cases(T).items():
-        for label, scan in (
-            ("seq", eqx_seq.SequentialScan()),
-            ("par", eqx_seq.AssociativeScan()),
-        ):
-            r = _stiff_row(model, ys, scan)
-            r["|diff|"] = abs(r["float32"] - r["float64"])
-            rows[f"{name} / {label}"] = r
-            print(
-                f"{name:50s} {label:5s} {r['float32']:12.4f} {r['float64']:12.4f} "
-                f"{r['|diff|']:8.4f} {r['float32 means floor']:8.4f} "
-                f"{'yes' if r['finite'] else 'NO':>6s} "
-                f"{r['min eig / max eig']:9.1e} {r['covariance form float32']:12.6g}",
-                flush=True,
-            )
-    return rows
-
-
-def _sqrt_vs_cov_programs(n, p, T, parallel):
-    """The programs `(fn, args)` of one size and length, square-root and covariance
-    form, keyed `"sqrt: seq filter"` etc.; the parallel filter's alone."""
-    filt = eqx.filter_jit(lambda kf, ys: kf.filter(ys))
-    grad = eqx.filter_jit(eqx.filter_grad(lambda kf, ys: kf.log_likelihood(ys)))
-    smooth = eqx.filter_jit(lambda kf, ys: kf.smooth(ys).means)
-    scan = eqx_seq.AssociativeScan() if parallel else eqx_seq.SequentialScan()
-    base = eqx_seq.KalmanFilter(n, p, scan=scan, dtype=jnp.float32, key=jr.key(0))
-    _, ys = base.sample(jr.key(1), T)
-    progs = {}
-    for form, private in (("sqrt", {}), ("cov", {"_square_root": False})):
-        kf = _with_private(base, **private)
-        if parallel:
-            progs[f"{form}: par filter"] = (filt, (kf, ys))
-            continue
-        exact = _with_private(base, _steady_state=False, **private)
-        progs[f"{form}: seq filter"] = (filt, (kf, ys))
-        progs[f"{form}: seq filter (exact)"] = (filt, (exact, ys))
-        progs[f"{form}: seq grad"] = (grad, (kf, ys))
-        progs[f"{form}: seq smoother"] = (smooth, (kf, ys))
-    return progs
-
-
-def sqrt_vs_cov_child(n, p, T, repeats):
-    """Run in a subprocess: the parallel filters, which in covariance form make
-    batched LAPACK calls that can deadlock on CPU (`docs/devdocs/kalman.md`)."""
-    res = measure_many(_sqrt_vs_cov_programs(n, p, T, True), repeats=repeats)
+def extras_child(n, p, T, label, repeats):
+    """Run in a subprocess: one backend's programs, interleaved."""
+    res = measure_many(extras_programs(n, p, T, label), repeats=repeats)
     print(json.dumps(res))
 
 
-def sqrt_vs_covariance(sizes, lengths, repeats, timeout):
-    """The square-root filter's cost against the covariance form (the private
-    `_square_root=False`), on the non-stiff models of the main table, float32,
-    the two forms' programs interleaved in one `measure_many` run per size and
-    length (the parallel filters in a subprocess with a timeout)."""
+def extras(args, info):
+    sizes = [(4, 2)] if args.quick else [(4, 2), (16, 8)]
+    lengths = [1000] if args.quick else [1000, 10_000]
+    payload = {"machine": info, "dtype": "float32", "runs": {}, "stream_step": {}}
     print(
-        "\nsquare-root vs covariance form, non-stiff models, float32 "
-        "(median ms; ratio = sqrt / cov)"
+        f"\n{'n/p':>5s} {'T':>6s} {'program':30s} {'ms':>9s} {'x filter':>8s} "
+        f"{'compile s':>9s}"
     )
-    print(
-        f"{'n/p':>5s} {'T':>7s} {'program':18s} {'sqrt ms':>9s} {'cov ms':>9s} "
-        f"{'ratio':>6s} {'compile s sqrt/cov':>19s}"
-    )
-    out = {}
     for n, p in sizes:
         for T in lengths:
-            res = measure_many(_sqrt_vs_cov_programs(n, p, T, False), repeats=repeats)
-            arg = f"{n},{p},{T},{max(1, repeats // 2)}"
-            cmd = [sys.executable, __file__, "--stiff-child", arg]
-            try:
-                child = subprocess.run(
-                    cmd, capture_output=True, text=True, timeout=timeout
-                )
-                if child.returncode == 0:
-                    res.update(json.loads(child.stdout.strip().splitlines()[-1]))
-                else:
-                    status = "failed: " + child.stderr.strip().splitlines()[-1]
-            except subprocess.TimeoutExpired:
-                status = f"timed out after {timeout} s (stalled or slow)"
-            for what in ("seq filter", "seq filter (exact)", "seq grad",
-                         "seq smoother", "par filter"):  # fmt: skip
-                a, b = res.get(f"sqrt: {what}"), res.get(f"cov: {what}")
-                if a is None:
-                    print(f"{n:>2d}/{p:<2d} {T:>7d} {what:18s} {status}")
-                    out[f"{n}/{p}/{T}/{what}"] = {"status": status}
+            run = payload["runs"][f"{n}/{p}/{T}"] = {}
+            for label in ("seq", "par"):
+                # a subprocess with a timeout: batched LAPACK calls (the parallel
+                # filter's) have stalled on this CPU's thread pool
+                child = f"{n},{p},{T},{label},{args.repeats}"
+                cmd = [sys.executable, __file__, "--extras-child", child]
+                try:
+                    out = subprocess.run(
+                        cmd,
+                        capture_output=True,
+                        text=True,
+                        timeout=args.extras_timeout,
+                    )
+                except subprocess.TimeoutExpired:
+                    run[label] = {"status": f"timed out after {args.extras_timeout} s"}
+                    print(f"{n:>2d}/{p:<2d} {T:>6d} {label}: {run[label]['status']}")
                     continue
-                ratio = a["median_ms"] / b["median_ms"]
-                print(
-                    f"{n:>2d}/{p:<2d} {T:>7d} {what:18s} {a['median_ms']:9.2f} "
-                    f"{b['median_ms']:9.2f} {ratio:6.2f} "
-                    f"{a['first_call_s']:9.1f}/{b['first_call_s']:<9.1f}",
-                    flush=True,
-                )
-                out[f"{n}/{p}/{T}/{what}"] = {"sqrt": a, "cov": b, "ratio": ratio}
-    return out
+                if out.returncode != 0:
+                    msg = "failed: " + out.stderr.strip().splitlines()[-1]
+                    run[label] = {"status": msg}
+                    print(f"{n:>2d}/{p:<2d} {T:>6d} {label}: {msg}")
+                    continue
+                res = run[label] = json.loads(out.stdout.strip().splitlines()[-1])
+                fwd = res[f"{label}: filter"]["median_ms"]
+                for name, r in res.items():
+                    print(
+                        f"{n:>2d}/{p:<2d} {T:>6d} {name:30s} {r['median_ms']:9.2f} "
+                        f"{r['median_ms'] / fwd:8.2f} {r['first_call_s']:9.2f}"
+                    )
+        # online filtering: one predict + update from Python (dispatch included)
+        kf = model(n, p, eqx_seq.SequentialScan())
+        _, ys = kf.sample(jr.key(1), 1)
+        step = lambda kf, state, y: kf.update(kf.predict(state), y)
+        res = measure_many({"step": (step, (kf, kf.init_state(), ys[0]))}, min_time=0.2)
+        payload["stream_step"][f"{n}/{p}"] = res["step"]
+        print(
+            f"{n:>2d}/{p:<2d} {'-':>6s} {'stream: predict + update':30s} "
+            f"{res['step']['median_ms']:9.3f}"
+        )
+    write_json(args.json or results_path("kalman_extras"), payload)
+
+
+def em_programs(n, p, T, iters):
+    """Our `fit_em` and dynamax's on the same data and initial parameters."""
+    start = eqx_seq.KalmanFilter(
+        n, p, scan=eqx_seq.SequentialScan(), prior_at="x1", key=jr.key(0)
+    )
+    truth = eqx_seq.KalmanFilter(n, p, prior_at="x1", key=jr.key(1))
+    _, ys = truth.sample(jr.key(2), T)
+    ours = eqx.filter_jit(lambda kf, ys: kf.fit_em(ys, num_iters=iters))
+    progs = {"ours": (ours, (start, ys))}
+    traces, compile_s = {}, {}
+
+    def first_call(name, fn, args):
+        # compilation included: the time a user waits for the first fit
+        t0 = time.perf_counter()
+        traces[name] = jax.block_until_ready(fn(*args))[1]
+        compile_s[name] = time.perf_counter() - t0
+
+    first_call("ours", ours, (start, ys))
+    # ours with 10% of the entries missing (every step exact), for the cost
+    holes = jr.uniform(jr.key(3), ys.shape) < 0.1
+    progs["ours missing"] = (ours, (start, jnp.where(holes, jnp.nan, ys)))
+    first_call("ours missing", ours, progs["ours missing"][1])
+    if LinearGaussianSSM is not None:
+        lgssm = LinearGaussianSSM(
+            n, p, has_dynamics_bias=False, has_emissions_bias=False
+        )
+        params, props = lgssm.initialize(
+            jr.key(0),
+            initial_mean=start.m0,
+            initial_covariance=start.P0,
+            dynamics_weights=start.F,
+            dynamics_covariance=start.Q,
+            emission_weights=start.H,
+            emission_covariance=start.R,
+        )
+        theirs = jax.jit(
+            lambda params, ys: lgssm.fit_em(
+                params, props, ys, num_iters=iters, verbose=False
+            )
+        )
+        progs["dynamax"] = (theirs, (params, ys))
+        first_call("dynamax", theirs, (params, ys))
+    return progs, traces, compile_s
+
+
+def em_main(args, info):
+    iters = args.em_iters
+    payload = {"machine": info, "dtype": "float32", "iters": iters, "runs": {}}
+    print(
+        f"\nEM, {iters} iterations per call, ms per iteration (median of "
+        f"{args.repeats})\n"
+        f"{'n/p':>5s} {'T':>6s} {'ours':>9s} {'dynamax':>9s} {'x dynamax':>9s} "
+        f"{'compile s':>13s} {'trace max rel diff':>18s} {'ours 10% NaN':>12s}"
+    )
+    sizes = [(4, 2)] if args.quick else [(4, 2), (16, 8)]
+    lengths = [1000] if args.quick else [1000, 10_000]
+    for n, p in sizes:
+        for T in lengths:
+            progs, traces, first = em_programs(n, p, T, iters)
+            res = measure_many(progs, repeats=args.repeats)
+            per = {k: r["median_ms"] / iters for k, r in res.items()}
+            ours = traces["ours"]
+            row = {"ms_per_iter": per, "first_call_s": {}, "trace": {}}
+            row["trace"]["ours"] = [float(v) for v in ours]
+            compile_s = "/".join(
+                f"{first[k]:.1f}" for k in ("ours", "dynamax") if k in first
+            )
+            ratio, diff = "", ""
+            if "dynamax" in per:
+                theirs = traces["dynamax"]
+                row["trace"]["dynamax"] = [float(v) for v in theirs]
+                rel = abs(ours[:-1] - theirs[1:]) / abs(theirs[1:])
+                row["trace_max_rel_diff"] = float(rel.max()) if iters > 1 else None
+                row["speedup"] = per["dynamax"] / per["ours"]
+                ratio = f"{row['speedup']:8.1f}x"
+                diff = f"{rel.max():.1e}" if iters > 1 else "-"
+            row["first_call_s"] = first
+            print(
+                f"{n:>2d}/{p:<2d} {T:>6d} {per['ours']:9.2f} "
+                f"{per.get('dynamax', float('nan')):9.2f} {ratio:>9s} "
+                f"{compile_s:>13s} {diff:>18s} {per['ours missing']:12.2f}"
+            )
+            payload["runs"][f"{n}/{p}/{T}"] = row
+    write_json(args.em_json, payload)
 
 
 def main():
@@ -409,45 +337,33 @@ def main():
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--quick", action="store_true", help="T=1k, state 4 only")
+    parser.add_argument(
+        "--extras", action="store_true", help="forecasts and posterior samples"
+    )
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--parallel-timeout", type=float, default=120)
     parser.add_argument(
         "--json",
-        default=results_path("kalman"),
-        help="default: results/<machine>/kalman.json",
+        help="default: results/<machine>/kalman.json (kalman_extras.json with "
+        "--extras)",
     )
+    parser.add_argument("--extras-timeout", type=float, default=600)
+    parser.add_argument("--em", action="store_true", help="EM vs dynamax only")
+    parser.add_argument("--em-iters", type=int, default=10)
     parser.add_argument(
-        "--stiff",
-        action="store_true",
-        help="the square-root filter: stiff models, and its cost (module doc)",
+        "--em-json",
+        default=results_path("kalman_em"),
+        help="default: results/<machine>/kalman_em.json",
     )
     parser.add_argument("--child", help=argparse.SUPPRESS)
-    parser.add_argument("--stiff-child", help=argparse.SUPPRESS)
+    parser.add_argument("--extras-child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         parallel_child(*map(int, args.child.split(",")))
         return
-    if args.stiff_child:
-        sqrt_vs_cov_child(*map(int, args.stiff_child.split(",")))
-        return
-    if args.stiff:
-        jax.config.update("jax_enable_x64", True)  # the float64 columns
-        info = machine()
-        print(f"machine: {info['cpu']} ({info['cores']} cores), jax {info['jax']}")
-        print(allocator_line(info))
-        sizes = [(4, 2)] if args.quick else [(4, 2), (16, 8)]
-        lengths = [1000] if args.quick else [1000, 10_000]
-        payload = {
-            "machine": info,
-            "stiff": stiff_table(),
-            "sqrt_vs_covariance": sqrt_vs_covariance(
-                sizes, lengths, args.repeats, args.parallel_timeout
-            ),
-        }
-        json_path = args.json
-        if json_path == results_path("kalman"):
-            json_path = results_path("kalman_sqrt")
-        write_json(json_path, payload)
+    if args.extras_child:
+        n, p, T, label, repeats = args.extras_child.split(",")
+        extras_child(int(n), int(p), int(T), label, int(repeats))
         return
     info = machine()
     print(
@@ -455,8 +371,14 @@ def main():
         f"jax {info['jax']}, float32"
     )
     print(allocator_line(info))
+    if args.extras:
+        extras(args, info)
+        return
     if lgssm_filter is None:
         print("dynamax not installed: its rows are skipped (pip install dynamax)")
+    if args.em:
+        em_main(args, info)
+        return
     sizes = [(4, 2)] if args.quick else [(4, 2), (16, 8)]
     lengths = [1000] if args.quick else [1000, 10_000, 100_000]
     payload = {"machine": info, "dtype": "float32", "runs": {}}
@@ -506,7 +428,7 @@ def main():
             ll = ", ".join(f"{k} {v:.6g}" for k, v in check.items())
             print(f"{'':14s} log-likelihoods: {ll}")
             payload["runs"][f"{n}/{p}/{T}"] = {"seq": res, "par": pars, "loglik": check}
-    write_json(args.json, payload)
+    write_json(args.json or results_path("kalman"), payload)
 
 
 if __name__ == "__main__":

@@ -84,12 +84,30 @@ BENCHES = {
     ),
     "kalman_sqrt": dict(
         title="Kalman filter, square-root form",
-        script="bench_kalman.py --stiff",
+        script="bench_kalman_sqrt.py",
         what="float32 against float64 on stiff models (vague prior, precise "
         "observations), and the cost of the square-root form against the covariance "
         "form.",
         tables=solvers.kalman_sqrt_tables,
         summary=solvers.kalman_sqrt_summary,
+    ),
+    "kalman_extras": dict(
+        title="Kalman filter: forecasts and posterior samples",
+        script="bench_kalman.py --extras",
+        what="`KalmanFilter.forecast` (100 steps) and `posterior_sample` (100 "
+        "paths) against our own filter, on both backends; one step of online "
+        "filtering.",
+        tables=solvers.kalman_extras_tables,
+        summary=solvers.kalman_extras_summary,
+    ),
+    "kalman_em": dict(
+        title="Kalman filter: expectation-maximisation",
+        script="bench_kalman.py --em",
+        what="`KalmanFilter.fit_em` against dynamax's `LinearGaussianSSM.fit_em` "
+        "(the same data and start, complete data), and ours with 10% of the entries "
+        "missing.",
+        tables=solvers.kalman_em_tables,
+        summary=solvers.kalman_em_summary,
     ),
 }
 

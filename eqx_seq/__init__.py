@@ -6,7 +6,9 @@ from ._embedding import Embedding as Embedding
 from ._kalman import (
     KalmanFilter as KalmanFilter,
     KalmanFilterResult as KalmanFilterResult,
+    KalmanForecastResult as KalmanForecastResult,
     KalmanSmootherResult as KalmanSmootherResult,
+    KalmanState as KalmanState,
 )
 from ._models._classifier import SequenceClassifier as SequenceClassifier
 from ._models._denoising import DenoisingClassifier as DenoisingClassifier

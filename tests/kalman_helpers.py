@@ -18,8 +18,9 @@ def _at(x, t):
     return x[t] if x.ndim == 3 else x
 
 
-def np_filter(F, H, Q, R, m0, P0, ys, B=None, D=None, us=None):
-    """Predict, then condition on the observed entries of y_t (missing ones dropped)."""
+def np_filter(F, H, Q, R, m0, P0, ys, B=None, D=None, us=None, prior_at="x0"):
+    """Predict, then condition on the observed entries of y_t (missing ones dropped).
+    With `prior_at="x1"`, `(m0, P0)` is the prediction of step 1."""
     T, p = ys.shape
     m, P = m0, P0
     out = {k: [] for k in ("m", "P", "mp", "Pp", "ll")}
@@ -27,6 +28,8 @@ def np_filter(F, H, Q, R, m0, P0, ys, B=None, D=None, us=None):
         Ft = _at(F, t)
         mp = Ft @ m + (B @ us[t] if B is not None else 0)
         Pp = Ft @ P @ Ft.T + _at(Q, t)
+        if t == 0 and prior_at == "x1":
+            mp, Pp = m0, P0
         o = ~np.isnan(ys[t])
         if o.any():
             Ho = _at(H, t)[o]
@@ -107,15 +110,15 @@ def simulate(rng, model, T, us=None):
     return np.array(ys)
 
 
-def filter_reference(model, ys, us=None):
+def filter_reference(model, ys, us=None, prior_at="x0"):
     return np_filter(
         model["F"], model["H"], model["Q"], model["R"], model["m0"], model["P0"], ys,
-        model.get("B"), model.get("D"), us,
+        model.get("B"), model.get("D"), us, prior_at,
     )  # fmt: skip
 
 
-def reference(model, ys, us=None):
-    f = filter_reference(model, ys, us)
+def reference(model, ys, us=None, prior_at="x0"):
+    f = filter_reference(model, ys, us, prior_at)
     sm, sP, cross = np_smoother(model["F"], f)
     return f, sm, sP, cross
 
@@ -130,10 +133,10 @@ def assert_filtered(out, f, **tol):
     np.testing.assert_allclose(out.log_likelihood, f["ll"].sum(), **tol)
 
 
-def build(model, scan, dtype=None):
+def build(model, scan, dtype=None, **options):
     return eqx_seq.KalmanFilter.from_matrices(
         model["F"], model["H"], model["Q"], model["R"], model["m0"], model["P0"],
-        B=model.get("B"), D=model.get("D"), scan=scan, dtype=dtype,
+        B=model.get("B"), D=model.get("D"), scan=scan, dtype=dtype, **options,
     )  # fmt: skip
 
 

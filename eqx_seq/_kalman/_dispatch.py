@@ -11,6 +11,7 @@ from jaxtyping import Array
 
 from .._misc import full_precision
 from .._scan import AbstractScan, check_scan
+from ._diffuse import filter_diffuse
 from ._linalg import _chol
 from ._parallel import filter_parallel
 from ._problem import _all_observed, _Problem, prepare, Whitening
@@ -60,7 +61,7 @@ def filter_problem(
 
 
 def smooth_problem(
-    problem: _Problem, scan: AbstractScan, square_root: bool
+    problem: _Problem, scan: AbstractScan, square_root: bool = True
 ) -> KalmanSmootherResult:
     """The smoother, which always runs the exact filter (square-root, unless
     `square_root` is off), from the filtered means and covariance factors."""
@@ -81,7 +82,10 @@ def filter_(
 
     def work(whitening):
         problem = prepare(kf, ys, us, whitening)
-        return filter_problem(problem, scan, kf)
+        run = lambda problem: filter_problem(problem, scan, kf)
+        if kf.initialization == "diffuse":
+            return filter_diffuse(problem, run)
+        return run(problem)
 
     return by_whitening(ys, scan, work)
 

@@ -20,10 +20,10 @@ from jaxtyping import Array
 from .._misc import full_precision, vary_like
 from .._scan import AbstractScan
 from ._dispatch import by_whitening, filter_, smooth_problem
-from ._linalg import _bmm, _cho_solve, _eye_like, _gram, _LOG_2PI, _mT
+from ._linalg import _bmm, _cho_solve, _eye_like, _LOG_2PI, _mT
 from ._problem import _bt, _per_step, _Problem, prepare
 from ._steady import _may_settle, filter_steady
-from ._step import _predict
+from ._step import first_prediction
 
 
 if TYPE_CHECKING:
@@ -42,7 +42,7 @@ def _expected_log_joint(problem: _Problem, stats) -> Array:
     """`E[log p(x_1..x_T, y_1..y_T)]` over a fixed Gaussian posterior.
 
     `stats = (means, covs, cross_covs)` are the smoother's moments of `x_1..x_T`
-    (`x_0` is integrated out: `x_1 ~ N(F_1 m0 + B u_1, F_1 P0 F_1^T + Q_1)`); only
+    (`x_1 ~ N(mu_1, S_1)`, its predicted moments, `x_0` integrated out); only
     observed entries of `y` count. Linear in the statistics and scan-free; its
     gradient at the problem the statistics came from is the log-likelihood's
     (Fisher's identity). Quadratic forms in `Q^{-1}`, `Sigma_1^{-1}` go through
@@ -54,11 +54,7 @@ def _expected_log_joint(problem: _Problem, stats) -> Array:
     F_v, Q_v = _per_step(model.F, 2), _per_step(model.L_Q, 2)
     dtype = ms.dtype
     # x_1
-    F1 = model.F[0] if F_v else model.F
-    LQ1 = model.L_Q[0] if Q_v else model.L_Q
-    mu1, S1 = _predict(
-        model.m0, _gram(model.L_P0), F1, LQ1, None if c is None else c[0]
-    )
+    mu1, S1 = first_prediction(model, c)
     L1 = jnp.linalg.cholesky(S1)
     d1 = ms[0] - mu1
     q1 = jnp.trace(_cho_solve(L1, Ps[0] + d1[:, None] * d1[None, :]))

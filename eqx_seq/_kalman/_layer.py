@@ -1,29 +1,36 @@
-"""`KalmanFilter`: the layer, its checks, and its compiled entry points."""
+"""`KalmanFilter`: the layer and its compiled entry points."""
 
 from typing import Any
 
 import equinox as eqx
 import jax
-import jax.lax as lax
 import jax.numpy as jnp
-import jax.random as jr
 from jaxtyping import Array, ArrayLike, Float, PRNGKeyArray
 
-from .._misc import check_parameter_dtype, check_positive_int, full_precision
+from .._misc import check_parameter_dtype, check_positive_int
 from .._scan import AbstractScan, AutoScan
+from ._checks import check_length, controls, inputs, not_diffuse
 from ._dispatch import backend, filter_, smooth
+from ._em import fit_em
+from ._em_spec import check_fit_em
 from ._fisher import fisher_log_likelihood
+from ._initial import check_options, Initialization, prior, PriorAt
 from ._linalg import _factor, _gram
 from ._parameters import _Parameters, parameters_from_matrices, random_parameters
-from ._problem import _model, _per_step
-from ._results import KalmanFilterResult, KalmanSmootherResult
+from ._predictive import _Predictive
+from ._results import (
+    KalmanFilterResult,
+    KalmanSmootherResult,
+)
+from ._sample import sample_prior
 
 
-class KalmanFilter(eqx.Module):
+class KalmanFilter(_Predictive):
     r"""A linear-Gaussian state-space model: Kalman filter, RTS smoother, sampler.
 
     The model, for steps `t = 1, ..., T` (row `t - 1` of every array), starting
-    from `x_0 ~ N(m0, P0)` (before the first observation):
+    from `x_0 ~ N(m0, P0)` (before the first observation; `prior_at="x1"` puts the
+    prior on `x_1`, and `initialization` may make it stationary or diffuse):
 
     $$x_t = F_t x_{t-1} + B u_t + q_t, \quad q_t \sim N(0, Q_t)$$
     $$y_t = H_t x_t + D u_t + r_t, \quad r_t \sim N(0, R_t)$$
@@ -71,6 +78,8 @@ class KalmanFilter(eqx.Module):
     obs_size: int = eqx.field(static=True)
     control_size: int = eqx.field(static=True)
     num_steps: int | None = eqx.field(static=True)
+    prior_at: PriorAt = eqx.field(static=True)
+    initialization: Initialization = eqx.field(static=True)
     # False: every step of the sequential filter exact (for comparisons)
     _steady_state: bool = eqx.field(static=True, repr=False)
     # False: the filters in covariance form (for comparisons)
@@ -83,6 +92,8 @@ class KalmanFilter(eqx.Module):
         *,
         control_size: int = 0,
         scan: AbstractScan = AutoScan(),
+        prior_at: PriorAt = "x0",
+        initialization: Initialization = "known",
         dtype: Any = None,
         key: PRNGKeyArray,
         _parameters: _Parameters | None = None,
@@ -95,6 +106,13 @@ class KalmanFilter(eqx.Module):
         - `obs_size`: the size `p` of the observations `y_t`.
         - `control_size`: the size `c` of the controls `u_t`; `0` for none.
         - `scan`: the backend, see the class docstring.
+        - `prior_at`: `"x0"` (the prior `(m0, P0)` is the law of `x_0`, the state
+            before the first observation) or `"x1"` (the law of `x_1`, the first
+            observed state, as in dynamax, pykalman and statsmodels).
+        - `initialization`: `"known"` (the prior is `(m0, P0)`), `"stationary"`
+            (the stationary law of a stable time-invariant model: mean zero, `P0`
+            solving `P0 = F P0 F^T + Q`) or `"diffuse"` (exact diffuse: an
+            infinite-variance prior). With the last two `m0` and `P0` are unused.
         - `dtype`: the parameters' dtype, float32 or float64 (default: JAX's
             default floating dtype).
         - `key`: a `jax.random.key` for the initialisation.
@@ -123,6 +141,8 @@ class KalmanFilter(eqx.Module):
         self.Q_factor, self.R_factor = a.Q_factor, a.R_factor
         self.P0_factor = a.P0_factor
         self.num_steps = a.num_steps
+        check_options(prior_at, initialization, a.F.ndim > 2 or a.Q_factor.ndim > 2)
+        self.prior_at, self.initialization = prior_at, initialization
         self.scan = scan
         self.state_size, self.obs_size, self.control_size = n, p, c
         self._steady_state = _steady_state
@@ -141,6 +161,8 @@ class KalmanFilter(eqx.Module):
         B: Float[ArrayLike, "n c"] | None = None,
         D: Float[ArrayLike, "p c"] | None = None,
         scan: AbstractScan = AutoScan(),
+        prior_at: PriorAt = "x0",
+        initialization: Initialization = "known",
         dtype: Any = None,
     ) -> "KalmanFilter":
         """A Kalman filter for a given model.
@@ -152,10 +174,12 @@ class KalmanFilter(eqx.Module):
         - `Q`, `R`: the transition and observation noise covariances, `(n, n)` /
             `(p, p)` or with a leading `T`; symmetric positive definite.
         - `m0`, `P0`: mean and covariance of `x_0`, the state before the first
-            observation.
+            observation (of `x_1` with `prior_at="x1"`); unused, but checked, with
+            `initialization="stationary"` or `"diffuse"`.
         - `B`, `D`: optional control matrices `(n, c)` and `(p, c)`; give one or
             both to use controls (the missing one is zero).
         - `scan`: the backend, see the class docstring.
+        - `prior_at`, `initialization`: as in `__init__`.
         - `dtype`: the parameters' dtype; default: the common dtype of the inputs
             (floating).
 
@@ -181,6 +205,8 @@ class KalmanFilter(eqx.Module):
             p,
             control_size=c,
             scan=scan,
+            prior_at=prior_at,
+            initialization=initialization,
             dtype=params.F.dtype,
             key=None,
             _parameters=params,
@@ -200,58 +226,13 @@ class KalmanFilter(eqx.Module):
 
     @property
     def P0(self) -> Float[Array, "n n"]:
-        """The covariance of `x_0` (from `P0_factor`)."""
-        return _gram(_factor(self.P0_factor))
-
-    # --- checks ---
-
-    def _inputs(self, ys: Any, us: Any, caller: str) -> tuple[Array, Array | None]:
-        """Validate observations and controls; cast them to the parameters' dtype."""
-        dtype = self.m0.dtype
-        ys = jnp.asarray(ys)
-        if not jnp.issubdtype(ys.dtype, jnp.floating):
-            raise ValueError(
-                f"eqx_seq.KalmanFilter.{caller}: `ys` must be floating (NaN marks a "
-                f"missing entry), got dtype {ys.dtype}."
-            )
-        if ys.ndim != 2 or ys.shape[1] != self.obs_size or ys.shape[0] < 1:
-            raise ValueError(
-                f"eqx_seq.KalmanFilter.{caller}: `ys` must have shape (T, obs_size) "
-                f"= (T, {self.obs_size}) with T >= 1, got {ys.shape}. Use `jax.vmap` "
-                "for a batch of sequences."
-            )
-        T = ys.shape[0]
-        self._check_length(T, caller)
-        return ys.astype(dtype), self._controls(us, T, caller)
-
-    def _check_length(self, T: int, caller: str) -> None:
-        if self.num_steps is not None and T != self.num_steps:
-            raise ValueError(
-                f"eqx_seq.KalmanFilter.{caller}: this model is time-varying with "
-                f"{self.num_steps} steps, but the sequence has {T}."
-            )
-
-    def _controls(self, us: Any, T: int, caller: str) -> Array | None:
-        c = self.control_size
-        if c == 0:
-            if us is not None:
-                raise ValueError(
-                    f"eqx_seq.KalmanFilter.{caller}: got controls `us` but this model "
-                    "has control_size=0."
-                )
-            return None
-        if us is None:
-            raise ValueError(
-                f"eqx_seq.KalmanFilter.{caller}: this model has control_size={c}; "
-                f"pass `us` of shape (T, {c})."
-            )
-        us = jnp.asarray(us)
-        if us.shape != (T, c) or not jnp.issubdtype(us.dtype, jnp.floating):
-            raise ValueError(
-                f"eqx_seq.KalmanFilter.{caller}: `us` must be a floating array of "
-                f"shape (T, control_size) = ({T}, {c}), got {us.shape} {us.dtype}."
-            )
-        return us.astype(self.m0.dtype)
+        """The prior covariance (of `x_0`, or of `x_1` with `prior_at="x1"`): from
+        `P0_factor`, the stationary one with `initialization="stationary"`, and
+        infinite on the diagonal with `"diffuse"`."""
+        if self.initialization == "diffuse":
+            n = self.state_size
+            return jnp.diag(jnp.full((n,), jnp.inf, self.m0.dtype))
+        return _gram(prior(self)[1])
 
     # --- inference ---
 
@@ -297,7 +278,7 @@ class KalmanFilter(eqx.Module):
         A [`eqx_seq.KalmanFilterResult`][]: filtered and predicted means and
         covariances, per-step log-likelihoods and their sum.
         """
-        ys, us = self._inputs(ys, us, "filter")
+        ys, us = inputs(self, ys, us, "filter")
         return _filter_jit(self, ys, us)
 
     @jax.named_scope("eqx_seq.KalmanFilter.log_likelihood")
@@ -323,7 +304,7 @@ class KalmanFilter(eqx.Module):
         filter and one smoother. `filter(ys).log_likelihood` is the same number with
         plain autodiff through the filter.
         """
-        ys, us = self._inputs(ys, us, "log_likelihood")
+        ys, us = inputs(self, ys, us, "log_likelihood")
         return _log_likelihood_jit(self, ys, us)
 
     @jax.named_scope("eqx_seq.KalmanFilter.smooth")
@@ -349,7 +330,8 @@ class KalmanFilter(eqx.Module):
         A [`eqx_seq.KalmanSmootherResult`][]: smoothed means and covariances,
         lag-one cross-covariances, and the filter's result.
         """
-        ys, us = self._inputs(ys, us, "smooth")
+        ys, us = inputs(self, ys, us, "smooth")
+        not_diffuse(self, "smooth")
         return _smooth_jit(self, ys, us)
 
     @jax.named_scope("eqx_seq.KalmanFilter.sample")
@@ -374,9 +356,56 @@ class KalmanFilter(eqx.Module):
         `y_1..y_T`, shape `(T, obs_size)`.
         """
         check_positive_int("num_steps", num_steps)
-        self._check_length(num_steps, "sample")
-        us = self._controls(us, num_steps, "sample")
-        return _sample_jit(self, key, num_steps, us)
+        if self.initialization == "diffuse":
+            raise ValueError(
+                "eqx_seq.KalmanFilter.sample: a diffuse prior (initialization="
+                '"diffuse") has no draws; use "known" or "stationary".'
+            )
+        check_length(self, num_steps, "sample")
+        us = controls(self, us, num_steps, "sample")
+        return sample_prior(self, key, num_steps, us)
+
+    @jax.named_scope("eqx_seq.KalmanFilter.fit_em")
+    def fit_em(
+        self,
+        ys: Float[ArrayLike, "*batch T p"],
+        *,
+        num_iters: int,
+        us: Float[ArrayLike, "*batch T c"] | None = None,
+        fixed: Any = None,
+    ) -> tuple["KalmanFilter", Float[Array, " num_iters"]]:
+        """Fit the model by expectation-maximisation (Shumway & Stoffer 1982): the
+        smoother, then closed-form updates, in one compiled loop. Missing (NaN)
+        entries are latent too, so the log-likelihood never decreases.
+
+        **Arguments:**
+
+        - `ys`: observations `(T, obs_size)`, or `(batch, T, obs_size)` for several
+            sequences (their statistics are summed); NaN marks a missing entry.
+        - `num_iters`: the number of iterations, at least 1.
+        - `us`: controls `(T, control_size)` (with the batch axis if `ys` has
+            one), iff `control_size > 0`; `B` and `D` are then fitted too.
+        - `fixed`: what to hold (`True`); `None` fits everything. A dict from
+            `"F"`, `"H"`, `"B"`, `"D"`, `"m0"`, `"Q"`, `"R"`, `"P0"` to a bool or,
+            except for the covariances, a boolean mask of the matrix's shape; or a
+            `KalmanFilter`-shaped pytree of them (a filter spec, fields `Q_factor`,
+            ...). Time-varying matrices must be held.
+
+        **Returns:**
+
+        `(fitted, log_likelihoods)`: the fitted [`eqx_seq.KalmanFilter`][], and
+        `log_likelihoods[i]`, the log-likelihood of `ys` (summed over sequences)
+        after iteration `i + 1`; the last is `fitted.log_likelihood(ys)`.
+
+        **Raises:**
+
+        `ValueError` for a `fixed` spec that does not match the parameters, a free
+        time-varying matrix, `num_iters < 1` or bad shapes; `NotImplementedError`
+        with `initialization="diffuse"`. See `docs/usage/kalman.md`.
+        """
+        not_diffuse(self, "fit_em")  # the E-step is the smoother
+        ys, us, spec = check_fit_em(self, ys, us, num_iters, fixed)
+        return fit_em(self, ys, us, num_iters, spec, backend(self.scan))
 
 
 @eqx.filter_jit
@@ -391,38 +420,7 @@ def _smooth_jit(kf: KalmanFilter, ys: Array, us: Array | None) -> KalmanSmoother
 
 @eqx.filter_jit
 def _log_likelihood_jit(kf: KalmanFilter, ys: Array, us: Array | None) -> Array:
+    if kf.initialization == "diffuse":
+        # Fisher's identity needs the smoother, which has no diffuse form here
+        return filter_(kf, ys, us, backend(kf.scan)).log_likelihood
     return fisher_log_likelihood(kf, ys, us, backend(kf.scan))
-
-
-@eqx.filter_jit
-@full_precision
-def _sample_jit(kf: KalmanFilter, key, num_steps: int, us: Array | None):
-    model = _model(kf)
-    L_R = _factor(kf.R_factor)
-    n, p = kf.state_size, kf.obs_size
-    dtype = model.m0.dtype
-    k0, kq, kr = jr.split(key, 3)
-    x0 = model.m0 + model.L_P0 @ jr.normal(k0, (n,), dtype)
-    q = jr.normal(kq, (num_steps, n), dtype)
-    r = jr.normal(kr, (num_steps, p), dtype)
-    xs = {"q": q, "r": r}
-    mats = {"F": model.F, "L_Q": model.L_Q, "H": model.H, "L_R": L_R}
-    for name, x in mats.items():
-        if _per_step(x, 2):
-            xs[name] = x
-    if us is not None:
-        xs["Bu"] = us @ kf.B.T
-        xs["Du"] = us @ kf.D.T
-
-    def step(x_prev, s):
-        get = lambda name: s[name] if name in s else mats[name]
-        x = get("F") @ x_prev + get("L_Q") @ s["q"]
-        if "Bu" in s:
-            x = x + s["Bu"]
-        y = get("H") @ x + get("L_R") @ s["r"]
-        if "Du" in s:
-            y = y + s["Du"]
-        return x, (x, y)
-
-    _, (states, observations) = lax.scan(step, x0, xs)
-    return states, observations

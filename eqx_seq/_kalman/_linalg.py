@@ -38,10 +38,15 @@ def _chol(A: Array) -> Array:
     The jitter is `eps(dtype) * mean(diag(A))` on the diagonal: invisible in float64,
     enough in float32 to keep a matrix that is PD up to rounding factorable.
     """
+    return jnp.linalg.cholesky(_jittered(A))
+
+
+def _jittered(A: Array) -> Array:
+    """`A` symmetrised, with `_chol`'s jitter on the diagonal."""
     A = _sym(A)
     scale = jnp.mean(jnp.diagonal(A, axis1=-2, axis2=-1), axis=-1)
     jitter = jnp.finfo(A.dtype).eps * jnp.abs(scale)
-    return jnp.linalg.cholesky(A + jitter[..., None, None] * _eye_like(A))
+    return A + jitter[..., None, None] * _eye_like(A)
 
 
 def _cho_solve(L: Array, B: Array) -> Array:

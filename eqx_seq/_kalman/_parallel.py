@@ -27,7 +27,7 @@ from ._linalg import (
 from ._problem import _per_step, _Problem
 from ._results import _filter_result, KalmanFilterResult
 from ._sqrt import sqrt_update, whitened_log_density
-from ._step import _predict, _predicted_covs, _update
+from ._step import _predict, _predicted_covs, _update, first_prediction
 
 
 def _filter_elements(problem: _Problem):
@@ -46,14 +46,8 @@ def _filter_elements(problem: _Problem):
     Q = jnp.broadcast_to(_gram(model.L_Q), (T, n, n))
     mu = jnp.zeros((T, n), dtype) if c is None else c
     Hw = problem.Hw
-    # step 1: predict from the prior, and no dependence on x_0
-    m_pred0, P_pred0 = _predict(
-        model.m0,
-        _gram(model.L_P0),
-        F[0],
-        model.L_Q[0] if _per_step(model.L_Q, 2) else model.L_Q,
-        None if c is None else c[0],
-    )
+    # step 1: the prediction of x_1 from the prior, and no dependence on x_0
+    m_pred0, P_pred0 = first_prediction(model, c)
     mu = mu.at[0].set(m_pred0)
     Sigma = Q.at[0].set(P_pred0)
     F = F.at[0].set(0)
@@ -108,16 +102,20 @@ def _combine_filter(earlier, later):
 def _transitions(problem: _Problem):
     """Every step's `F`, `mu` (the control's `B u`) and the factor of the noise
     covariance `Sigma` given `x_{t-1}`; step 1 with the prior folded in (no
-    dependence on `x_0`: `F = 0`, and its prediction from the prior)."""
+    dependence on `x_0`: `F = 0`, and the prediction of `x_1`: `first_prediction`
+    in square-root form)."""
     model, c = problem.model, problem.c
     T = problem.num_steps
     n = model.m0.shape[0]
     F = jnp.broadcast_to(model.F, (T, n, n))
     L_Q = jnp.broadcast_to(model.L_Q, (T, n, n))
     mu = jnp.zeros((T, n), F.dtype) if c is None else c
-    mu = mu.at[0].set(F[0] @ model.m0 + mu[0])
-    L_pred0 = tria(jnp.concatenate([F[0] @ model.L_P0, L_Q[0]], axis=1))
-    return F.at[0].set(0), mu, L_Q.at[0].set(L_pred0)
+    if model.prior_at == "x1":  # the prior is x_1's own
+        mu, L_pred1 = mu.at[0].set(model.m0), model.L_P0
+    else:
+        mu = mu.at[0].set(F[0] @ model.m0 + mu[0])
+        L_pred1 = tria(jnp.concatenate([F[0] @ model.L_P0, L_Q[0]], axis=1))
+    return F.at[0].set(0), mu, L_Q.at[0].set(L_pred1)
 
 
 def _sqrt_elements(problem: _Problem):
@@ -188,22 +186,28 @@ def _sqrt_combine(earlier, later):
 
 def _log_likelihoods(problem: _Problem, ms, Ls):
     """Every step's predicted mean and log-density from the previous step's
-    filtered mean and factor, batched (the module docstring)."""
+    filtered mean and factor (step 1's from the prior), batched (the module
+    docstring)."""
     model, c = problem.model, problem.c
+    T, n = ms.shape
+    F = jnp.broadcast_to(model.F, (T, n, n))
+    L_Q = jnp.broadcast_to(model.L_Q, (T, n, n))
     m_prev = jnp.concatenate([model.m0[None], ms[:-1]])
     L_prev = jnp.concatenate([model.L_P0[None], Ls[:-1]])
-    F_ax = 0 if _per_step(model.F, 2) else None
-    Q_ax = 0 if _per_step(model.L_Q, 2) else None
+    m_pred = jnp.einsum("tij,tj->ti", F, m_prev)
+    if c is not None:
+        m_pred = m_pred + c
+    FL = F @ L_prev
+    if model.prior_at == "x1":  # no transition into step 1
+        m_pred, FL = m_pred.at[0].set(model.m0), FL.at[0].set(model.L_P0)
+        L_Q = L_Q.at[0].set(0)
 
-    def step(m, L, F, L_Q, c, Hw, y, obs):
-        m_pred = F @ m if c is None else F @ m + c
-        _, _, nu, log_s = sqrt_update(m_pred, F @ L, L_Q, Hw, y)
-        return m_pred, whitened_log_density(nu, log_s, obs)
+    def log_density(m_pred, FL, L_Q, Hw, y, obs):
+        _, _, nu, log_s = sqrt_update(m_pred, FL, L_Q, Hw, y)
+        return whitened_log_density(nu, log_s, obs)
 
-    in_axes = (0, 0, F_ax, Q_ax, None if c is None else 0, 0, 0, 0)
-    return jax.vmap(step, in_axes=in_axes)(
-        m_prev, L_prev, model.F, model.L_Q, c, problem.Hw, problem.yw, problem.obs
-    )
+    lls = jax.vmap(log_density)(m_pred, FL, L_Q, problem.Hw, problem.yw, problem.obs)
+    return m_pred, lls
 
 
 def filter_parallel(
@@ -232,11 +236,17 @@ def _predictions(problem: _Problem, ms, Ps):
     """One-step predictions of every step from the filtered moments of the previous
     (covariance form)."""
     model, c = problem.model, problem.c
-    m_prev = jnp.concatenate([model.m0[None], ms[:-1]])
-    P_prev = jnp.concatenate([_gram(model.L_P0)[None], Ps[:-1]])
+    m1, P1 = first_prediction(model, c)
+    if ms.shape[0] == 1:
+        return m1[None], P1[None]
     F_ax = 0 if _per_step(model.F, 2) else None
     Q_ax = 0 if _per_step(model.L_Q, 2) else None
     c_ax = None if c is None else 0
-    return jax.vmap(_predict, in_axes=(0, 0, F_ax, Q_ax, c_ax))(
-        m_prev, P_prev, model.F, model.L_Q, c
+    mps, Pps = jax.vmap(_predict, in_axes=(0, 0, F_ax, Q_ax, c_ax))(
+        ms[:-1],
+        Ps[:-1],
+        model.F[1:] if F_ax == 0 else model.F,
+        model.L_Q[1:] if Q_ax == 0 else model.L_Q,
+        None if c is None else c[1:],
     )
+    return jnp.concatenate([m1[None], mps]), jnp.concatenate([P1[None], Pps])

@@ -15,6 +15,7 @@ import jax.scipy.linalg as jsl
 from jaxtyping import Array
 
 from .._misc import vary_like
+from ._initial import prior, PriorAt
 from ._linalg import _eye_like, _factor, _gram, inverse_cholesky
 
 
@@ -24,22 +25,27 @@ if TYPE_CHECKING:
 
 class _Model(eqx.Module):
     """The matrices the filters read, each `(..)` or `(T, ..)` (time-varying); the
-    observation noise enters through the whitening (`_Problem.W`)."""
+    observation noise enters through the whitening (`_Problem.W`). `(m0, L_P0)` is
+    the prior of `x_0` (`prior_at="x0"`) or of `x_1` (`"x1"`: step 1 does not
+    predict)."""
 
     F: Array
     L_Q: Array
     H: Array
     m0: Array
     L_P0: Array
+    prior_at: PriorAt = eqx.field(static=True)
 
 
 def _model(kf: "KalmanFilter") -> _Model:
+    m0, L_P0 = prior(kf)
     return _Model(
         F=kf.F,
         L_Q=_factor(kf.Q_factor),
         H=kf.H,
-        m0=kf.m0,
-        L_P0=_factor(kf.P0_factor),
+        m0=m0,
+        L_P0=L_P0,
+        prior_at=kf.prior_at,
     )
 
 

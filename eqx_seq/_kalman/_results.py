@@ -39,6 +39,37 @@ class KalmanSmootherResult(eqx.Module):
     filtered: KalmanFilterResult
 
 
+class KalmanForecastResult(eqx.Module):
+    """What [`eqx_seq.KalmanFilter.forecast`][] returns.
+
+    Row `h - 1` of each array is about step `T + h` after `T` observations:
+    `means[h-1]` and `covs[h-1]` are `E[x_{T+h} | y_1..y_T]` and
+    `Cov[x_{T+h} | y_1..y_T]`; `obs_means[h-1]` and `obs_covs[h-1]` those of
+    `y_{T+h}`, whose covariance `H P H^T + R` includes the observation noise.
+    """
+
+    means: Float[Array, "horizon n"]
+    covs: Float[Array, "horizon n n"]
+    obs_means: Float[Array, "horizon p"]
+    obs_covs: Float[Array, "horizon p p"]
+
+
+class KalmanState(eqx.Module):
+    """The state of online filtering: what [`eqx_seq.KalmanFilter.init_state`][],
+    [`eqx_seq.KalmanFilter.predict`][] and [`eqx_seq.KalmanFilter.update`][] pass
+    along.
+
+    `mean` and `cov` are the current Gaussian belief about the state (after an
+    update, the filtered moments given the observations so far; after a predict,
+    the one-step prediction); `log_likelihood` is the log-likelihood of the
+    observed entries so far, `log p(y_1..y_t)`.
+    """
+
+    mean: Float[Array, " n"]
+    cov: Float[Array, "n n"]
+    log_likelihood: Float[Array, ""]
+
+
 def _filter_result(ms, Ps, mps, Pps, lls, logdet) -> KalmanFilterResult:
     """The result from the filter's outputs on whitened observations: the whitening's
     log-determinant `logdet` (per step) completes the log-likelihoods."""

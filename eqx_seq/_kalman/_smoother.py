@@ -8,7 +8,17 @@ import jax.numpy as jnp
 from jaxtyping import Array
 
 from .._scan import AbstractScan
-from ._linalg import _bmm, _mT, _mv, _sandwich, _sym, tria, tril_inverse_by_rows
+from ._linalg import (
+    _bmm,
+    _jittered,
+    _mT,
+    _mv,
+    _sandwich,
+    _sym,
+    cholesky,
+    tria,
+    tril_inverse_by_rows,
+)
 from ._problem import _Model, _per_step
 from ._results import KalmanFilterResult, KalmanSmootherResult
 
@@ -36,10 +46,16 @@ def _element(m: Array, L: Array, m_pred_next: Array, F: Array, L_Q: Array):
     return E, m - E @ m_pred_next, _sym(Lam @ Lam.T)
 
 
-def smoother_elements(model: _Model, filtered: KalmanFilterResult, factors: Array):
+def smoother_elements(
+    model: _Model, filtered: KalmanFilterResult, factors: Array | None = None
+):
     """The elements `(E_t, g_t, C_t)` of every step, batched over the steps; the
-    last is `(0, m_T, P_T)`."""
+    last is `(0, m_T, P_T)`. `factors`: the filtered covariances' (default: their
+    Cholesky factors, without LAPACK, whose calls batched over the steps can
+    deadlock: `_linalg`)."""
     ms = filtered.means
+    if factors is None:
+        factors = cholesky(_jittered(filtered.covs))
     F_v, Q_v = _per_step(model.F, 2), _per_step(model.L_Q, 2)
     in_axes = (0, 0, 0, 0 if F_v else None, 0 if Q_v else None)
     E, g, C = jax.vmap(_element, in_axes=in_axes)(
@@ -80,7 +96,7 @@ def smooth_sequential(
     return _smoothed(filtered, E, ms, Ps)
 
 
-def _combine(later, earlier):
+def combine(later, earlier):
     # a reverse associative scan passes the element later in time first
     E_l, g_l, C_l = later
     E_e, g_e, C_e = earlier
@@ -93,5 +109,5 @@ def smooth_parallel(
     """The same elements as a reverse associative scan (Särkkä & García-Fernández,
     IEEE TAC 2021)."""
     E, g, C = smoother_elements(model, filtered, factors)
-    _, ms, Ps = scan.associative_scan(jax.vmap(_combine), (E, g, C), reverse=True)
+    _, ms, Ps = scan.associative_scan(jax.vmap(combine), (E, g, C), reverse=True)
     return _smoothed(filtered, E, ms, Ps)

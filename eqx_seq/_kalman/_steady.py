@@ -152,7 +152,7 @@ def _steady_tail(model: _Model, st: _Settled, m: Array, xs) -> tuple:
 
 
 def filter_steady(
-    problem: _Problem, *, square_root: bool, exact_fallback: bool = True
+    problem: _Problem, *, square_root: bool = True, exact_fallback: bool = True
 ) -> tuple[KalmanFilterResult, Array]:
     """The filter of a problem that `_may_settle`, and whether its covariance settled.
 

@@ -37,6 +37,17 @@ def _predict(m: Array, P: Array, F: Array, L_Q: Array, c: Array | None):
     return m, _predict_cov(P, F, L_Q)
 
 
+def first_prediction(model: _Model, c: Array | None) -> tuple[Array, Array]:
+    """The predicted moments of `x_1`: the prior itself with `prior_at="x1"`, else
+    the prior of `x_0` pushed through step 1's transition."""
+    P0 = _gram(model.L_P0)
+    if model.prior_at == "x1":
+        return model.m0, P0
+    F1 = model.F[0] if _per_step(model.F, 2) else model.F
+    L_Q1 = model.L_Q[0] if _per_step(model.L_Q, 2) else model.L_Q
+    return _predict(model.m0, P0, F1, L_Q1, None if c is None else c[0])
+
+
 def _update(m: Array, P: Array, y: Array, Hw: Array, obs: Array):
     """Condition `N(m, P)` on `y = Hw x + e`, `e ~ N(0, I)`, one entry at a time.
 
@@ -137,13 +148,17 @@ def _covariances(S: Array, square_root: bool) -> Array:
 
 def _predicted_covs(model: _Model, covs: Array, prev: Array | None = None) -> Array:
     """The one-step predicted covariances of every step from the filtered ones of
-    the previous (`prev`, default `P0` then `covs`), batched over the steps
-    (additions only: no cancellation)."""
-    if prev is None:
-        prev = jnp.concatenate([_gram(model.L_P0)[None], covs[:-1]])
+    the previous, batched over the steps (additions only: no cancellation): of
+    steps `1..T` (step 1's from the prior, `first_prediction`), or with `prev`
+    (the filtered covariances before each step) of later steps."""
+    P0 = _gram(model.L_P0)
     F_ax = 0 if _per_step(model.F, 2) else None
     Q_ax = 0 if _per_step(model.L_Q, 2) else None
-    return jax.vmap(_predict_cov, in_axes=(0, F_ax, Q_ax))(prev, model.F, model.L_Q)
+    predict = jax.vmap(_predict_cov, in_axes=(0, F_ax, Q_ax))
+    if prev is not None:
+        return predict(prev, model.F, model.L_Q)
+    Pps = predict(jnp.concatenate([P0[None], covs[:-1]]), model.F, model.L_Q)
+    return Pps.at[0].set(P0) if model.prior_at == "x1" else Pps
 
 
 def _sequential_step(problem: _Problem, *, square_root: bool, complete: bool = False):
@@ -174,6 +189,9 @@ def _sequential_step(problem: _Problem, *, square_root: bool, complete: bool = F
         xs["W"] = W
     if problem.c is not None:
         xs["c"] = problem.c
+    if model.prior_at == "x1":
+        # the carry into step 1 is the prior of x_1 itself: no transition
+        xs["first"] = jnp.arange(problem.num_steps) == 0
 
     def step(carry, x):
         m, S = carry
@@ -182,17 +200,27 @@ def _sequential_step(problem: _Problem, *, square_root: bool, complete: bool = F
         m_pred = _mv(F, m)
         if "c" in x:
             m_pred = m_pred + x["c"]
+        if "first" in x:  # prior_at="x1": no transition into step 1
+            m_pred = jnp.where(x["first"], m, m_pred)
         if Hw_const is None:
             Hw = _mm(x["W"] if W_v else W, x["H"] if H_v else model.H)
         else:
             Hw = Hw_const
         if square_root:
-            m, S, nu, log_s = sqrt_update(m_pred, _mm(F, S), L_Q, Hw, x["y"], loop=True)
+            FL = _mm(F, S)
+            if "first" in x:  # the factor of the prior itself, no noise
+                FL = jnp.where(x["first"], S, FL)
+                L_Q = jnp.where(x["first"], 0, L_Q)
+            m, S, nu, log_s = sqrt_update(m_pred, FL, L_Q, Hw, x["y"], loop=True)
             ll = whitened_log_density(nu, log_s, x["obs"])
-        elif complete:
-            m, S, ll = _complete_update(m_pred, _predict_cov(S, F, L_Q), x["y"], Hw)
+            return (m, S), (m, S, m_pred, ll)
+        P_pred = _predict_cov(S, F, L_Q)
+        if "first" in x:
+            P_pred = jnp.where(x["first"], S, P_pred)
+        if complete:
+            m, S, ll = _complete_update(m_pred, P_pred, x["y"], Hw)
         else:
-            m, S, ll, _ = _update(m_pred, _predict_cov(S, F, L_Q), x["y"], Hw, x["obs"])
+            m, S, ll, _ = _update(m_pred, P_pred, x["y"], Hw, x["obs"])
         return (m, S), (m, S, m_pred, ll)
 
     # over all steps, rematerialised in the backward pass: storing every
