@@ -32,10 +32,11 @@ def _tria(A):
     return (R * np.sign(np.diag(R))[:, None]).T
 
 
-def sqrt_reference(model, ys, us=None):
+def sqrt_reference(model, ys, us=None, prior_at="x0"):
     """The array-form square-root filter (observed entries only) and Park &
     Kailath's square-root RTS smoother: filtered `m, P, mp, ll`, smoothed means,
-    covariances, cross-covariances."""
+    covariances, cross-covariances. With `prior_at="x1"` the prior is the
+    prediction of step 1."""
     F, H, Q, R = model["F"], model["H"], model["Q"], model["R"]
     B, D = model.get("B"), model.get("D")
     n = model["m0"].shape[0]
@@ -44,6 +45,8 @@ def sqrt_reference(model, ys, us=None):
     for t in range(ys.shape[0]):
         mp = _at(F, t) @ m + (B @ us[t] if B is not None else 0)
         Lp = _tria(np.hstack([_at(F, t) @ L, np.linalg.cholesky(_at(Q, t))]))
+        if t == 0 and prior_at == "x1":
+            mp, Lp = m, L
         o = ~np.isnan(ys[t])
         k = int(o.sum())
         m, L, ll = mp, Lp, 0.0
@@ -185,6 +188,45 @@ def test_float32_matches_float64(backend, name):
     assert np.abs((s32.means - sm) / sd_s).max() < 0.02
     assert np.abs(_scaled(s32.covs - sP, sd_s)).max() < 1e-3
     _assert_psd(s32.covs)
+
+
+@pytest.mark.parametrize("backend", list(BACKENDS))
+def test_prior_at_x1(backend):
+    """The stiff tracker with its vague prior on `x_1` (the convention of dynamax,
+    pykalman and statsmodels; step 1 has no transition): float32 within 0.05 nats
+    of the float64 reference, finite and positive semi-definite. (That `"x1"` is
+    the other libraries' model is tested in `test_kalman_prior.py`.)"""
+    model, ys = tracker()
+    ys = ys.astype(np.float32).astype(np.float64)
+    f, sm, sP, _ = sqrt_reference(model, ys, prior_at="x1")
+    out64 = _np(build(model, BACKENDS[backend], prior_at="x1").filter(ys))
+    np.testing.assert_allclose(out64.log_likelihood, f["ll"].sum(), rtol=1e-8)
+    kf32 = build(model, BACKENDS[backend], dtype=jnp.float32, prior_at="x1")
+    s32 = _np(kf32.smooth(ys.astype(np.float32)))
+    assert _finite(s32)
+    assert abs(float(s32.filtered.log_likelihood) - f["ll"].sum()) < 0.05
+    sd_s = np.sqrt(np.diagonal(sP, axis1=1, axis2=2))
+    assert np.abs((s32.means - sm) / sd_s).max() < 0.02
+    _assert_psd(s32.filtered.covs)
+    _assert_psd(s32.filtered.predicted_covs)
+    _assert_psd(s32.covs)
+
+
+@pytest.mark.parametrize("backend", list(BACKENDS))
+def test_diffuse(backend):
+    """The stiff tracker's precise observations after an exact diffuse start (its
+    univariate steps, then the square-root filter): float32 within 0.05 nats of
+    float64 (which `test_kalman_prior.py` checks against statsmodels)."""
+    model, ys = tracker()
+    ys32 = ys.astype(np.float32)
+    scan = BACKENDS[backend]
+    ll64 = build(model, scan, initialization="diffuse").log_likelihood(
+        ys32.astype(np.float64)
+    )
+    kf32 = build(model, scan, dtype=jnp.float32, initialization="diffuse")
+    out = kf32.filter(ys32)
+    assert _finite(_np(out.means)) and bool(jnp.isfinite(out.log_likelihood))
+    assert abs(float(out.log_likelihood) - float(ll64)) < 0.05
 
 
 def _covariance_form(kf):

@@ -21,8 +21,8 @@ from jaxtyping import Array, PRNGKeyArray
 from .._misc import full_precision
 from ._dispatch import backend, filter_
 from ._linalg import _jittered, cholesky
-from ._smoother import combine, smoother_elements
 from ._problem import _model
+from ._smoother import combine, smoother_elements
 
 
 if TYPE_CHECKING:
@@ -53,9 +53,7 @@ def posterior_sample(
         w = g + jnp.einsum("tij,tj->ti", C, eps)
         if scan.parallel:
             # a reverse scan composes step t's map after those of t+1..T
-            _, xs, _ = scan.associative_scan(
-                jax.vmap(combine), (E, w, L), reverse=True
-            )
+            _, xs, _ = scan.associative_scan(jax.vmap(combine), (E, w, L), reverse=True)
             return xs
 
         def step(x_next, e):
