@@ -133,6 +133,22 @@ def assert_filtered(out, f, **tol):
     np.testing.assert_allclose(out.log_likelihood, f["ll"].sum(), **tol)
 
 
+def with_private(kf, **private):
+    """`kf` with the layer's private switches (`_square_root`, `_steady_state`)
+    set, for the comparisons of the tests."""
+    from eqx_seq._kalman._parameters import _Parameters
+
+    params = _Parameters(
+        kf.F, kf.H, kf.B, kf.D, kf.m0, kf.Q_factor, kf.R_factor, kf.P0_factor,
+        kf.num_steps,
+    )  # fmt: skip
+    return eqx_seq.KalmanFilter(
+        kf.state_size, kf.obs_size, control_size=kf.control_size, scan=kf.scan,
+        prior_at=kf.prior_at, initialization=kf.initialization, key=None,
+        _parameters=params, **private,
+    )  # fmt: skip
+
+
 def build(model, scan, dtype=None, **options):
     return eqx_seq.KalmanFilter.from_matrices(
         model["F"], model["H"], model["Q"], model["R"], model["m0"], model["P0"],

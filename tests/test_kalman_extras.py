@@ -349,13 +349,16 @@ def test_bad_input():
     state = kf.init_state()
     with pytest.raises(ValueError, match="`state` must be an `eqx_seq.KalmanState`"):
         kf.predict((state.mean, state.cov))
+    L = state.cov_factor
     for bad in (
-        eqx_seq.KalmanState(jnp.zeros(2), state.cov, state.log_likelihood),
+        eqx_seq.KalmanState(jnp.zeros(2), L, state.log_likelihood),
         eqx_seq.KalmanState(state.mean, jnp.eye(2), state.log_likelihood),
-        eqx_seq.KalmanState(state.mean, state.cov, jnp.zeros(1)),
-        eqx_seq.KalmanState(state.mean, state.cov.astype(int), state.log_likelihood),
+        eqx_seq.KalmanState(state.mean, L, jnp.zeros(1)),
+        eqx_seq.KalmanState(state.mean, L.astype(int), state.log_likelihood),
     ):
-        with pytest.raises(ValueError, match="`state.(mean|cov|log_likelihood)`"):
+        with pytest.raises(
+            ValueError, match="`state.(mean|cov_factor|log_likelihood)`"
+        ):
             kf.update(bad, ys[0])
     for y in (jnp.ones(3), jnp.ones((1, 2)), jnp.ones(2, int)):
         with pytest.raises(ValueError, match="`y` is one step's"):

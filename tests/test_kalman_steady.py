@@ -12,10 +12,12 @@ from kalman_helpers import (
     build,
     filter_reference,
     random_model,
+    reference,
     settled,
     simulate,
     stacked,
     STEADY_T,
+    with_private,
 )
 
 import eqx_seq
@@ -85,6 +87,40 @@ def test_steady_state_filter_matches_reference():
     np.testing.assert_allclose(kf.log_likelihood(ys, us=us), f["ll"].sum(), **tol)
     rev = kf.filter(ys[::-1], us=us[::-1])
     np.testing.assert_allclose(batch.means[1], rev.means, **tol)
+
+
+def test_steady_state_smoother_matches_reference():
+    """The smoother after the steady-state filter (the tail's elements from its one
+    fixed factor): the textbook RTS smoother's means, covariances and
+    cross-covariances, under `vmap` over sequences too; its gradient is the one
+    through the smoother with every step exact."""
+    rng = np.random.default_rng(15)
+    model = random_model(rng, 3, 2, c=2)
+    us = rng.normal(size=(STEADY_T, 2))
+    ys = simulate(rng, model, STEADY_T, us)
+    kf = build(model, eqx_seq.SequentialScan())
+    assert settled(kf, jnp.asarray(ys), jnp.asarray(us))
+    f, sm, sP, cross = reference(model, ys, us)
+    batch = jax.vmap(lambda y, u: kf.smooth(y, us=u))(
+        jnp.stack([ys, ys[::-1]]), jnp.stack([us, us[::-1]])
+    )
+    out = jax.tree.map(lambda x: x[0], batch)
+    tol = dict(rtol=1e-9, atol=1e-11)
+    np.testing.assert_allclose(out.means, sm, **tol)
+    np.testing.assert_allclose(out.covs, sP, **tol)
+    np.testing.assert_allclose(out.cross_covs, cross, **tol)
+    assert_filtered(out.filtered, f, **tol)
+
+    loss = lambda q, static: jnp.sum(
+        jnp.sin(eqx.combine(q, static).smooth(ys, us=us).means)
+    )
+    grad = jax.jit(jax.grad(loss), static_argnums=1)
+    grads = [
+        grad(*eqx.partition(k, eqx.is_inexact_array))
+        for k in (kf, with_private(kf, _steady_state=False))
+    ]
+    for a, b in zip(*map(jax.tree.leaves, grads)):
+        np.testing.assert_allclose(a, b, rtol=1e-7, atol=1e-9)
 
 
 def test_steady_state_float32():
@@ -181,6 +217,10 @@ def test_steady_state_not_settled_falls_back():
     np.testing.assert_allclose(out.means, f["m"], rtol=1e-9, atol=1e-12)
     np.testing.assert_allclose(out.covs, f["P"], rtol=1e-9, atol=1e-12)
     np.testing.assert_allclose(out.log_likelihood, f["ll"].sum(), rtol=1e-12)
+    _, sm, sP, _ = reference(model, ys)
+    out = kf.smooth(ys)  # the smoother falls back to the exact filter too
+    np.testing.assert_allclose(out.means, sm, rtol=1e-8, atol=1e-10)
+    np.testing.assert_allclose(out.covs, sP, rtol=1e-8, atol=1e-10)
     params, static = eqx.partition(kf, eqx.is_inexact_array)
     loss = jax.jit(lambda q: eqx.combine(q, static).log_likelihood(ys))
     g = jax.jit(jax.grad(loss))(params)

@@ -18,6 +18,7 @@ from kalman_helpers import (
     case,
     filter_reference,
     reference,
+    with_private,
 )
 
 import eqx_seq
@@ -229,18 +230,24 @@ def test_diffuse(backend):
     assert abs(float(out.log_likelihood) - float(ll64)) < 0.05
 
 
-def _covariance_form(kf):
-    """The same model with the private `_square_root` off."""
-    from eqx_seq._kalman._parameters import _Parameters
-
-    params = _Parameters(
-        kf.F, kf.H, kf.B, kf.D, kf.m0, kf.Q_factor, kf.R_factor, kf.P0_factor,
-        kf.num_steps,
-    )  # fmt: skip
-    return eqx_seq.KalmanFilter(
-        kf.state_size, kf.obs_size, control_size=kf.control_size, scan=kf.scan,
-        key=None, _parameters=params, _square_root=False,
-    )  # fmt: skip
+def test_streaming():
+    """Online filtering (`predict`, `update`) of the stiff tracker in float32: the
+    steps are the square-root filter's, so they stay finite and within 0.05 nats
+    of float64, and match the float32 filter's means."""
+    model, ys = tracker(T=300)
+    ys32 = ys.astype(np.float32)
+    f = sqrt_reference(model, ys32.astype(np.float64))[0]
+    kf = build(model, eqx_seq.SequentialScan(), dtype=jnp.float32)
+    step = jax.jit(lambda state, y: kf.update(kf.predict(state), y))
+    state, means = kf.init_state(), []
+    for y in ys32:
+        state = step(state, y)
+        means.append(state.mean)
+        _assert_psd(state.cov)
+    assert _finite(_np(state))
+    assert abs(float(state.log_likelihood) - f["ll"].sum()) < 0.05
+    sd_f = np.sqrt(np.diagonal(f["P"], axis1=1, axis2=2))
+    assert np.abs((np.array(means, np.float64) - f["m"]) / sd_f).max() < 0.01
 
 
 def test_covariance_form():
@@ -251,7 +258,7 @@ def test_covariance_form():
     f, sm, _, _ = reference(model, ys, us)
     tol = dict(rtol=1e-7, atol=1e-9)
     for name, scan in BACKENDS.items():
-        cov = _covariance_form(build(model, scan))
+        cov = with_private(build(model, scan), _square_root=False)
         assert_filtered(cov.filter(ys, us=us), f, **tol)
         if name == "sequential":  # the smoother factors its covariances
             np.testing.assert_allclose(cov.smooth(ys, us=us).means, sm, **tol)
@@ -260,7 +267,7 @@ def test_covariance_form():
     ref = filter_reference(model, ys32.astype(np.float64))["ll"].sum()
     for scan in BACKENDS.values():
         kf = build(model, scan, dtype=jnp.float32)
-        ll_cov = float(_covariance_form(kf).filter(ys32).log_likelihood)
+        ll_cov = float(with_private(kf, _square_root=False).filter(ys32).log_likelihood)
         assert not abs(ll_cov - ref) < 1  # NaN, or nats off
         assert abs(float(kf.filter(ys32).log_likelihood) - ref) < 0.05
 

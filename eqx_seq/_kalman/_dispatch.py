@@ -18,6 +18,7 @@ from ._problem import _all_observed, _Problem, prepare, Whitening
 from ._results import KalmanFilterResult, KalmanSmootherResult
 from ._sequential import filter_exact, filter_sequential
 from ._smoother import smooth_parallel, smooth_sequential
+from ._steady import _may_settle, filter_steady
 
 
 if TYPE_CHECKING:
@@ -61,14 +62,29 @@ def filter_problem(
 
 
 def smooth_problem(
-    problem: _Problem, scan: AbstractScan, square_root: bool = True
+    problem: _Problem,
+    scan: AbstractScan,
+    square_root: bool = True,
+    steady_state: bool = False,
 ) -> KalmanSmootherResult:
-    """The smoother, which always runs the exact filter (square-root, unless
-    `square_root` is off), from the filtered means and covariance factors."""
+    """The smoother from the filtered means and covariance factors (square-root,
+    unless `square_root` is off). With `steady_state` (sequential backend,
+    square-root form) the filter is the steady-state one where its covariance
+    settles, whose fixed factor gives the tail one smoother element (a `lax.cond`
+    on the model alone, as the gradient's); else every filter step is exact."""
     model = problem.model
     if scan.parallel:
         filtered, factors = filter_parallel(problem, scan, square_root=square_root)
         return smooth_parallel(model, filtered, factors, scan)
+    if steady_state and square_root and _may_settle(problem):
+        filtered, settled, factors = filter_steady(
+            problem, exact_fallback=False, factors=True
+        )
+        return lax.cond(
+            settled,
+            lambda: smooth_sequential(model, filtered, factors),
+            lambda: smooth_problem(problem, scan),
+        )
     filtered, carries = filter_exact(problem, square_root=square_root)
     factors = carries if square_root else _chol(carries)
     return smooth_sequential(model, filtered, factors)
@@ -99,6 +115,6 @@ def smooth(
         ys,
         scan,
         lambda whitening: smooth_problem(
-            prepare(kf, ys, us, whitening), scan, kf._square_root
+            prepare(kf, ys, us, whitening), scan, kf._square_root, kf._steady_state
         ),
     )

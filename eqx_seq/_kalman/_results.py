@@ -62,12 +62,21 @@ class KalmanState(eqx.Module):
     `mean` and `cov` are the current Gaussian belief about the state (after an
     update, the filtered moments given the observations so far; after a predict,
     the one-step prediction); `log_likelihood` is the log-likelihood of the
-    observed entries so far, `log p(y_1..y_t)`.
+    observed entries so far, `log p(y_1..y_t)`. The state holds a square root of
+    the covariance, `cov = cov_factor @ cov_factor.T` (lower triangular as the
+    steps return it; any square factor is accepted), because the steps are the
+    square-root filter's.
     """
 
     mean: Float[Array, " n"]
-    cov: Float[Array, "n n"]
+    cov_factor: Float[Array, "n n"]
     log_likelihood: Float[Array, ""]
+
+    @property
+    def cov(self) -> Float[Array, "n n"]:
+        """The covariance, `cov_factor @ cov_factor.T`."""
+        L = self.cov_factor
+        return L @ L.T
 
 
 def _filter_result(ms, Ps, mps, Pps, lls, logdet) -> KalmanFilterResult:

@@ -71,17 +71,42 @@ def smoother_elements(
     return E, g, C
 
 
+def settled_elements(
+    model: _Model, filtered: KalmanFilterResult, head: Array, tail: Array
+):
+    """`smoother_elements` of the steady-state filter: the filtered factors are
+    `head` (steps `1..K`) and then one fixed factor `tail`, so the tail's elements
+    share one `E` and `C` (one triangularisation, not one per step)."""
+    ms, mps = filtered.means, filtered.predicted_means
+    K, T = head.shape[0], ms.shape[0]
+    E_h, g_h, C_h = jax.vmap(_element, in_axes=(0, 0, 0, None, None))(
+        ms[:K], head, mps[1 : K + 1], model.F, model.L_Q
+    )
+    E_s, _, C_s = _element(ms[K], tail, mps[K + 1], model.F, model.L_Q)
+    g_s = ms[K:-1] - mps[K + 1 :] @ E_s.T
+    tail_of = lambda X: jnp.broadcast_to(X, (T - 1 - K, *X.shape))
+    zero = jnp.zeros((1, *E_s.shape), E_s.dtype)
+    E = jnp.concatenate([E_h, tail_of(E_s), zero])
+    g = jnp.concatenate([g_h, g_s, ms[-1:]])
+    C = jnp.concatenate([C_h, tail_of(C_s), filtered.covs[-1:]])
+    return E, g, C
+
+
 def _smoothed(filtered, E, ms, Ps) -> KalmanSmootherResult:
     # Cov[x_t, x_{t+1} | y] = E_t Cov[x_{t+1} | y]
     return KalmanSmootherResult(ms, Ps, _bmm(E[:-1], Ps[1:]), filtered)
 
 
 def smooth_sequential(
-    model: _Model, filtered: KalmanFilterResult, factors: Array
+    model: _Model, filtered: KalmanFilterResult, factors: Array | tuple
 ) -> KalmanSmootherResult:
     """Backwards in a loop: `m_t = E_t m_{t+1} + g_t`, `P_t = E_t P_{t+1} E_t^T + C_t`
-    (a sum of positive semi-definite terms), two small products per step."""
-    E, g, C = smoother_elements(model, filtered, factors)
+    (a sum of positive semi-definite terms), two small products per step.
+    `factors`: every step's, or the steady-state filter's `(head, tail)`."""
+    if isinstance(factors, tuple):
+        E, g, C = settled_elements(model, filtered, *factors)
+    else:
+        E, g, C = smoother_elements(model, filtered, factors)
 
     def step(carry, x):
         m, P = carry

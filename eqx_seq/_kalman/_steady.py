@@ -17,7 +17,7 @@ from jaxtyping import Array
 from .._misc import full_precision
 from ._linalg import _gram, _LOG_2PI, _mv, _sym
 from ._problem import _Model, _per_step, _Problem
-from ._results import _filter_result, KalmanFilterResult
+from ._results import _filter_result
 from ._step import (
     _affine_update,
     _covariances,
@@ -61,10 +61,12 @@ def _head(step, init, xs, dtype):
 class _Settled(eqx.Module):
     """The filter's update once its covariance has settled, as an affine map:
     `m_filt = M m_pred + G y` with whitened innovations `nu = E_m m_pred + E_y y`
-    of log-variances `log_s` (for whitened `y`), and the fixed covariances."""
+    of log-variances `log_s` (for whitened `y`), and the fixed covariances (and
+    the filtered one's factor, or the covariance itself in covariance form)."""
 
     P_pred: Array
     P_filt: Array
+    S_filt: Array
     M: Array
     G: Array
     E_m: Array
@@ -99,7 +101,7 @@ def _settle(model: _Model, m: Array, S: Array, Hw: Array, square_root: bool):
     norm = lambda X: jnp.sqrt(jnp.sum(X * X))
     ok = (norm(D) <= _SETTLED_ULPS * eps * norm(P_filt)) & (norm(A) < 0.5)
     P_pred = _predict_cov(P, model.F, model.L_Q)
-    return _Settled(P_pred, P_filt, M, G, E_m, E_y, log_s, ok)
+    return _Settled(P_pred, P_filt, S_filt, M, G, E_m, E_y, log_s, ok)
 
 
 def _affine_scan(A: Array, z: Array, m: Array) -> Array:
@@ -152,19 +154,26 @@ def _steady_tail(model: _Model, st: _Settled, m: Array, xs) -> tuple:
 
 
 def filter_steady(
-    problem: _Problem, *, square_root: bool = True, exact_fallback: bool = True
-) -> tuple[KalmanFilterResult, Array]:
+    problem: _Problem,
+    *,
+    square_root: bool = True,
+    exact_fallback: bool = True,
+    factors: bool = False,
+) -> tuple:
     """The filter of a problem that `_may_settle`, and whether its covariance settled.
 
     The `K` exact steps, then the steady-state tail if the covariance settled, else
-    (a `lax.cond`) the exact tail. The gradient's path (`exact_fallback=False`)
-    runs the steady-state tail in any case, and uses the result only if settled.
+    (a `lax.cond`) the exact tail. The gradient's and the smoother's paths
+    (`exact_fallback=False`) run the steady-state tail in any case, and use the
+    result only if settled. With `factors`, also the head's filtered factors
+    (covariances in covariance form) and the tail's fixed one.
     """
     model = problem.model
     steps, xs, Hw = _sequential_step(problem, square_root=square_root, complete=True)
     init = (model.m0, _initial(model, square_root))
     head, (m, S), tail_xs = _head(steps[False], init, xs, problem.yw.dtype)
-    head_covs = _covariances(head[1], square_root)
+    head_factors = head[1]
+    head_covs = _covariances(head_factors, square_root)
     head = (head[0], head_covs, head[2], _predicted_covs(model, head_covs), head[3])
     settled = _settle(model, m, S, Hw, square_root)
     steady = lambda: _steady_tail(model, settled, m, tail_xs)
@@ -180,4 +189,7 @@ def filter_steady(
     else:
         tail = steady()
     outs = jax.tree.map(lambda a, b: jnp.concatenate([a, b]), head, tail)
-    return _filter_result(*outs, problem.logdet), settled.ok
+    result = _filter_result(*outs, problem.logdet)
+    if factors:
+        return result, settled.ok, (head_factors, settled.S_filt)
+    return result, settled.ok

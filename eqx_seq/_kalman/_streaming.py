@@ -1,4 +1,4 @@
-"""Online filtering: the filter's predict and update steps (`_step`) on one
+"""Online filtering: the square-root filter's predict and update (`_sqrt`) on one
 observation at a time, carried in a public `KalmanState`."""
 
 from typing import Any, TYPE_CHECKING
@@ -8,10 +8,10 @@ import jax.numpy as jnp
 from jaxtyping import Array
 
 from .._misc import full_precision
-from ._linalg import _gram
+from ._linalg import _mm, _mv, tria
 from ._problem import _model, prepare
 from ._results import KalmanState
-from ._step import _predict, _update
+from ._sqrt import sqrt_update, whitened_log_density
 
 
 if TYPE_CHECKING:
@@ -41,7 +41,7 @@ def check_streamable(kf: "KalmanFilter", caller: str) -> None:
 def check_state(kf: "KalmanFilter", state: Any, caller: str) -> KalmanState:
     """`state` as a `KalmanState` of this model's sizes, in its dtype."""
     n = kf.state_size
-    shapes = {"mean": (n,), "cov": (n, n), "log_likelihood": ()}
+    shapes = {"mean": (n,), "cov_factor": (n, n), "log_likelihood": ()}
     if not isinstance(state, KalmanState):
         raise ValueError(
             f"{_where(caller)}: `state` must be an `eqx_seq.KalmanState` (from "
@@ -96,7 +96,7 @@ def init_state(kf: "KalmanFilter") -> KalmanState:
     (`prior_at`), known or stationary (`initialization`), as the filter starts."""
     model = _model(kf)
     zero = jnp.zeros((), model.m0.dtype)
-    return KalmanState(model.m0, _gram(model.L_P0), zero)
+    return KalmanState(model.m0, model.L_P0, zero)
 
 
 @eqx.filter_jit
@@ -104,9 +104,11 @@ def init_state(kf: "KalmanFilter") -> KalmanState:
 def predict(kf: "KalmanFilter", state: KalmanState, u: Array | None) -> KalmanState:
     """One transition (`u`, the step's controls, checked)."""
     model = _model(kf)
-    c = None if u is None else kf.B @ u
-    m, P = _predict(state.mean, state.cov, model.F, model.L_Q, c)
-    return KalmanState(m, P, state.log_likelihood)
+    m = _mv(model.F, state.mean)
+    if u is not None:
+        m = m + kf.B @ u
+    L = tria(jnp.concatenate([_mm(model.F, state.cov_factor), model.L_Q], axis=1))
+    return KalmanState(m, L, state.log_likelihood)
 
 
 @eqx.filter_jit
@@ -117,8 +119,8 @@ def update(
     """Conditioning on the observed entries of `y` (checked), whitened as the
     filter's observations are."""
     problem = prepare(kf, y[None], None if u is None else u[None], "missing")
-    m, P, ll, _ = _update(
-        state.mean, state.cov, problem.yw[0], problem.Hw[0], problem.obs[0]
-    )
-    log_likelihood = state.log_likelihood + (ll - problem.logdet[0])
-    return KalmanState(m, P, log_likelihood)
+    L = state.cov_factor
+    no_noise = jnp.zeros_like(L)  # conditioning only: no transition here
+    m, L, nu, log_s = sqrt_update(state.mean, L, no_noise, problem.Hw[0], problem.yw[0])
+    ll = whitened_log_density(nu, log_s, problem.obs[0])
+    return KalmanState(m, L, state.log_likelihood + (ll - problem.logdet[0]))
