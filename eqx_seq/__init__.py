@@ -24,6 +24,7 @@ from ._scan import (
     AutoScan as AutoScan,
     SequentialScan as SequentialScan,
 )
+from ._sharded_scan import ShardedScan as ShardedScan
 from ._ssm._base import (
     AbstractDiagonalSSM as AbstractDiagonalSSM,
     SSMJacobians as SSMJacobians,

@@ -26,15 +26,7 @@ from jax.custom_derivatives import SymbolicZero
 from jaxtyping import Array, ArrayLike, Inexact
 
 from ._misc import vary_like
-from ._scan import AbstractScan, AutoScan, check_scan, fold_initial_state
-
-
-def _shift(x: Array, fill: Array, *, reverse: bool) -> Array:
-    """`x` moved one step along time, `fill` entering at the start of the run."""
-    fill = jnp.broadcast_to(fill, x.shape[1:])[None]
-    if reverse:
-        return jnp.concatenate([x[1:], fill])
-    return jnp.concatenate([fill, x[:-1]])
+from ._scan import AbstractScan, AutoScan, check_scan
 
 
 def _per_step(x: Array, like: Array) -> Array:
@@ -48,7 +40,9 @@ def _linear_solve(scan: AbstractScan, a: Array, rhs: Array, *, reverse: bool) ->
     a = vary_like(a, rhs)  # for `shard_map`: see `vary_like`
 
     def matvec(h):
-        return h - _per_step(a, h) * _shift(h, jnp.zeros((), h.dtype), reverse=reverse)
+        return h - _per_step(a, h) * scan.shift(
+            h, jnp.zeros((), h.dtype), reverse=reverse
+        )
 
     def solve(_, r):
         return scan.recurrence(a, r, reverse=reverse)
@@ -59,7 +53,7 @@ def _linear_solve(scan: AbstractScan, a: Array, rhs: Array, *, reverse: bool) ->
         if time_invariant:
             a_t = a
         else:
-            a_t = _shift(a, jnp.zeros((), a.dtype), reverse=not reverse)
+            a_t = scan.shift(a, jnp.zeros((), a.dtype), reverse=not reverse)
         return scan.recurrence(a_t, r, reverse=not reverse)
 
     return lax.custom_linear_solve(matvec, rhs, solve, transpose_solve)
@@ -93,7 +87,7 @@ def _sensitivities(
     """
     s = p = None
     if wrt_a:
-        previous = _shift(h, h0, reverse=reverse)
+        previous = scan.shift(h, h0, reverse=reverse)
         s = _recurrence(scan, reverse, a, previous, jnp.zeros_like(h0))
     if wrt_h0:
         p = _recurrence(scan, reverse, a, jnp.zeros_like(h), jnp.ones_like(h0))
@@ -117,9 +111,12 @@ def _recurrence_jvp(scan, reverse, primals, tangents):
         return h, ft.reduce(jnp.add, terms)
     rhs = jnp.zeros_like(b) if _is_zero(db) else db
     if not _is_zero(da):
-        rhs = rhs + _per_step(da, h) * _shift(h, h0, reverse=reverse)
+        rhs = rhs + _per_step(da, h) * scan.shift(h, h0, reverse=reverse)
     if not _is_zero(dh0):
-        rhs = fold_initial_state(a, rhs, dh0, reverse=reverse)
+        # `dh0` enters at the first step of the whole run (of the first device's
+        # block, under `ShardedScan`)
+        entry = scan.shift(jnp.zeros_like(rhs), dh0, reverse=reverse)
+        rhs = rhs + _per_step(a, rhs) * entry
     return h, _linear_solve(scan, a, rhs, reverse=reverse)
 
 
@@ -145,7 +142,7 @@ def _prepare(
 
     `a` comes back as `(T, *S)` (time-varying) or `S` (time-invariant).
     """
-    check_scan(scan, name=f"eqx_seq.{caller}")
+    check_scan(scan, name=f"eqx_seq.{caller}", splits_time=True)
     try:
         a, b = jnp.asarray(a), jnp.asarray(b)
         h0 = None if h0 is None else jnp.asarray(h0)

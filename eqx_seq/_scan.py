@@ -75,6 +75,34 @@ class AbstractScan(eqx.Module):
         All states `h`, shape `(T, *S)`.
         """
 
+    def shift(
+        self,
+        x: Inexact[Array, " T *S"],
+        fill: Inexact[Array, "*S"],
+        *,
+        reverse: bool = False,
+    ) -> Inexact[Array, " T *S"]:
+        """`x` moved one step along time (axis 0), `fill` entering at the start of
+        the run: step `t` of the result is `x[t - 1]` (`x[t + 1]` when `reverse`),
+        and `fill` at the first step (the last when `reverse`).
+
+        The derivatives of [`eqx_seq.linear_recurrence`][] read the previous state
+        through it. A backend that splits time over devices
+        ([`eqx_seq.ShardedScan`][]) overrides it to pass the step that crosses a
+        block boundary; the base shifts the array.
+
+        **Arguments:**
+
+        - `x`: shape `(T, *S)`.
+        - `fill`: broadcasting to `S`.
+        - `reverse`: shift towards the start instead.
+
+        **Returns:**
+
+        The shifted array, shape `(T, *S)`.
+        """
+        return shift_local(x, fill, reverse=reverse)
+
     def associative_scan(
         self, fn: Callable, elems: PyTree[Array], *, reverse: bool = False
     ) -> PyTree[Array]:
@@ -182,6 +210,14 @@ def _in_place(a: Array, b: Array, init: Array, reverse: bool) -> Array:
 @_in_place.defjvp
 def _in_place_jvp(reverse, primals, tangents):
     return jax.jvp(lambda *p: _stacked(*p, reverse, 1), primals, tangents)
+
+
+def shift_local(x: Array, fill: Array, *, reverse: bool) -> Array:
+    """`x` moved one step along time, `fill` entering at the start of the run."""
+    fill = jnp.broadcast_to(fill, x.shape[1:])[None]
+    if reverse:
+        return jnp.concatenate([x[1:], fill])
+    return jnp.concatenate([fill, x[:-1]])
 
 
 def fold_initial_state(a: Array, b: Array, h0: Array, *, reverse: bool) -> Array:
@@ -292,8 +328,21 @@ class AutoScan(AbstractScan):
         return self.select().associative_scan(fn, elems, reverse=reverse)
 
 
+# What runs with a backend that splits time over devices (`ShardedScan`), for the
+# error that refuses it elsewhere.
+_SPLITS_TIME_USERS = (
+    "`eqx_seq.linear_recurrence`, `eqx_seq.recurrence_jacobians`, `eqx_seq.S5`, "
+    "`eqx_seq.LRU` and `eqx_seq.RGLRU` (and `eqx_seq.S5Block` around S5 or LRU)"
+)
+
+
 def check_scan(
-    scan: Any, *, name: str, chooses: bool = False, pytree_scan: bool = False
+    scan: Any,
+    *,
+    name: str,
+    chooses: bool = False,
+    pytree_scan: bool = False,
+    splits_time: bool = False,
 ) -> AbstractScan:
     """`scan.select()`: the backend that runs, after checking what the caller needs.
 
@@ -304,6 +353,9 @@ def check_scan(
     - `chooses`: the caller runs an algorithm of its own, sequential or parallel as
         the backend declares (`parallel`).
     - `pytree_scan`: a parallel backend must also implement `associative_scan`.
+    - `splits_time`: the caller runs with a backend that splits time over devices
+        (one that declares `splits_time = True`, [`eqx_seq.ShardedScan`][]); other
+        callers refuse one.
 
     **Raises:**
 
@@ -320,6 +372,12 @@ def check_scan(
         raise ValueError(
             f"{name}: `{type(scan).__name__}.select()` must return an "
             f"`eqx_seq.AbstractScan`, got {chosen!r}."
+        )
+    if getattr(type(chosen), "splits_time", False) and not splits_time:
+        raise ValueError(
+            f"{name} does not run on a time axis split over devices "
+            f"(`{type(chosen).__name__}`): across a block boundary it needs more than "
+            f"the recurrence's state. Those that do: {_SPLITS_TIME_USERS}."
         )
     if not chooses:
         return chosen

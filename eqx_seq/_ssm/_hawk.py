@@ -13,7 +13,7 @@ from .._misc import (
     check_sequence,
     check_state,
 )
-from .._scan import AbstractScan, AutoScan
+from .._scan import AbstractScan, AutoScan, check_scan
 from ._conv import CausalConv
 from ._rglru import RGLRU
 
@@ -95,6 +95,8 @@ class HawkBlock(eqx.Module):
         check_positive_int("conv_size", conv_size)
         check_positive_int("mlp_expansion", mlp_expansion)
         dtype = check_parameter_dtype("HawkBlock", dtype)
+        # its convolution crosses block boundaries: no time split over devices
+        check_scan(scan, name="eqx_seq.HawkBlock")
         keys = jr.split(key, 8)
         hidden = mlp_expansion * width
         self.rglru = RGLRU(

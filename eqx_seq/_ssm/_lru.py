@@ -90,7 +90,7 @@ class LRU(AbstractDiagonalSSM):
                 f"Need 0 <= r_min < r_max <= 1, got r_min={r_min}, r_max={r_max}."
             )
         max_phase = check_real("max_phase", max_phase, positive=True)
-        check_scan(scan, name="eqx_seq.LRU")
+        check_scan(scan, name="eqx_seq.LRU", splits_time=True)
         dtype = check_parameter_dtype("LRU", dtype)
         rkey, pkey, bkey, ckey, cbkey, dkey = jr.split(key, 6)
         # |λ|² uniform in [r_min², r_max²): λ uniform in area on the ring. Kept below

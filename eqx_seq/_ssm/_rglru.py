@@ -129,7 +129,7 @@ class RGLRU(eqx.Module):
             raise ValueError(
                 f"Need 0 < a_min < a_max < 1, got a_min={a_min}, a_max={a_max}."
             )
-        check_scan(scan, name="eqx_seq.RGLRU")
+        check_scan(scan, name="eqx_seq.RGLRU", splits_time=True)
         dtype = check_parameter_dtype("RGLRU", dtype)
         akey, wakey, wxkey = jr.split(key, 3)
         block = input_size // num_heads

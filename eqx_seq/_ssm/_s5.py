@@ -168,7 +168,7 @@ class S5(AbstractDiagonalSSM):
                 f"Need 0 < dt_min <= dt_max, got dt_min={dt_min}, dt_max={dt_max}."
             )
         step_rescale = check_real("step_rescale", step_rescale, positive=True)
-        check_scan(scan, name="eqx_seq.S5")
+        check_scan(scan, name="eqx_seq.S5", splits_time=True)
         dtype = check_parameter_dtype("S5", dtype)
         block = state_size // blocks
         if block > _MAX_HIPPO_BLOCK:

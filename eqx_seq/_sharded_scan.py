@@ -1,0 +1,134 @@
+"""Sequence parallelism: the diagonal recurrence with its time axis split over the
+devices of a mesh axis, inside `jax.shard_map`.
+
+Each device solves its block from zero with an inner backend and reduces it to the
+affine map `h -> A h + H` of the whole block (`A` the product of its decays, `H` its
+last state). The devices gather those `2 |S|` numbers, each folds the maps of the
+devices before it into its own initial state, and corrects its block. The adjoint is
+the same recurrence backwards in time, so `eqx_seq.linear_recurrence`'s derivatives
+run this backend too; the one step that crosses a block boundary (`shift`) is passed
+between neighbours. See `docs/devdocs/sequence-parallel.md`.
+"""
+
+from typing import ClassVar
+
+import equinox as eqx
+import jax.lax as lax
+import jax.numpy as jnp
+from jaxtyping import Array, Inexact
+
+from ._scan import AbstractScan, AutoScan, check_scan
+
+
+def _mesh_axis(axis_name: str) -> tuple[int, Array]:
+    """The size of the mesh axis and this device's index along it, or a clear error
+    outside a `jax.shard_map` over it."""
+    try:
+        return lax.axis_size(axis_name), lax.axis_index(axis_name)
+    except NameError as e:
+        raise ValueError(
+            f"eqx_seq.ShardedScan({axis_name!r}) runs inside `jax.shard_map` over a "
+            f"mesh with an axis named {axis_name!r}, the time axis split over it "
+            f"(in_specs such as `P({axis_name!r})` for `(T, ...)` inputs); no such "
+            "axis is bound here."
+        ) from e
+
+
+def _decay_product(a: Array, b: Array) -> Array:
+    """The product of the block's decays: its map's `A`."""
+    if a.ndim < b.ndim:  # time-invariant
+        return a ** b.shape[0]
+    return jnp.prod(a, axis=0)
+
+
+def _powers(a: Array, num_steps: int, *, reverse: bool) -> Array:
+    """`a^(t+1)` at step `t` of the run (from the end when `reverse`): how an
+    initial state reaches each step of a block with a time-invariant decay."""
+    powers = jnp.cumprod(jnp.broadcast_to(a, (num_steps, *a.shape)), axis=0)
+    return jnp.flip(powers, 0) if reverse else powers
+
+
+class ShardedScan(AbstractScan):
+    """One long sequence split over devices: the time axis of every input is split
+    over the mesh axis `axis_name` of an enclosing `jax.shard_map`, each device runs
+    `inner` on its block, and the devices exchange two numbers per state entry
+    (`parallel = False`: the sequential algorithms of the layers that choose).
+
+    Only the first device's `h0` is used (the last's with `reverse`), and the final
+    state is the last device's last step. The blocks have equal lengths, as
+    `jax.shard_map` splits them; pad a sequence to a multiple of the device count.
+    See [Several devices](../usage/several-devices.md).
+
+    **Arguments:**
+
+    - `axis_name`: the mesh axis the time axis is split over.
+    - `inner`: the backend of each device's block; [`eqx_seq.AutoScan`][] by
+        default.
+    """
+
+    parallel: ClassVar[bool] = False
+    splits_time: ClassVar[bool] = True
+    axis_name: str = eqx.field(static=True)
+    inner: AbstractScan = AutoScan()
+
+    def __check_init__(self):
+        if not isinstance(self.axis_name, str) or not self.axis_name:
+            raise ValueError(
+                "eqx_seq.ShardedScan: `axis_name` must be the name of a mesh axis (a "
+                f"non-empty string), got {self.axis_name!r}."
+            )
+        if isinstance(self.inner, ShardedScan):
+            raise ValueError(
+                "eqx_seq.ShardedScan: `inner` runs one device's block, so it cannot "
+                "be another ShardedScan."
+            )
+        check_scan(self.inner, name="eqx_seq.ShardedScan (inner)")
+
+    def recurrence(
+        self,
+        a: Inexact[Array, "..."],
+        b: Inexact[Array, " T *S"],
+        h0: Inexact[Array, "*S"] | None = None,
+        *,
+        reverse: bool = False,
+    ) -> Inexact[Array, " T *S"]:
+        num_devices, index = _mesh_axis(self.axis_name)
+        inner = self.inner.select()
+        local = inner.recurrence(a, b, reverse=reverse)
+        last = local[0] if reverse else local[-1]
+        maps = lax.all_gather((_decay_product(a, b), last), self.axis_name)
+        order = range(num_devices - 1, -1, -1) if reverse else range(num_devices)
+        first = order[0]
+        # the carry into this block: the maps of the blocks before it, in run order
+        carry = (
+            jnp.zeros_like(last)
+            if h0 is None
+            else lax.all_gather(h0, self.axis_name)[first]
+        )
+        for j in order:
+            before = (j > index) if reverse else (j < index)
+            carry = jnp.where(before, maps[0][j] * carry + maps[1][j], carry)
+        if a.ndim < b.ndim:  # time-invariant: `a^(t+1)` in closed form
+            return local + _powers(a, b.shape[0], reverse=reverse) * carry[None]
+        return inner.recurrence(a, b, carry, reverse=reverse)
+
+    def shift(
+        self,
+        x: Inexact[Array, " T *S"],
+        fill: Inexact[Array, "*S"],
+        *,
+        reverse: bool = False,
+    ) -> Inexact[Array, " T *S"]:
+        num_devices, index = _mesh_axis(self.axis_name)
+        # each block's boundary step comes from the block before it in run order
+        steps = range(num_devices - 1)
+        if reverse:
+            edge, pairs, first = x[0], [(i + 1, i) for i in steps], num_devices - 1
+        else:
+            edge, pairs, first = x[-1], [(i, i + 1) for i in steps], 0
+        received = lax.ppermute(edge, self.axis_name, pairs)
+        fill = jnp.broadcast_to(fill, edge.shape)
+        boundary = jnp.where(index == first, fill, received)
+        if reverse:
+            return jnp.concatenate([x[1:], boundary[None]])
+        return jnp.concatenate([boundary[None], x[:-1]])

@@ -1,0 +1,245 @@
+"""One sequence split over devices along time (`eqx_seq.ShardedScan` inside
+`jax.shard_map`): the same values and gradients as on one device.
+
+In process on the two CPU devices of `conftest.py`; on eight forced CPU devices in a
+subprocess (its own JAX configuration), for the exchange between many blocks.
+"""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import jax.random as jr
+import numpy as np
+import pytest
+from jax.sharding import Mesh, PartitionSpec as P
+
+import eqx_seq
+
+
+pytestmark = pytest.mark.skipif(
+    jax.device_count() < 2, reason="needs two devices (conftest.py asks for them)"
+)
+
+INNER = {
+    "sequential": eqx_seq.SequentialScan(),
+    "associative": eqx_seq.AssociativeScan(),
+}
+
+
+def _mesh(n: int = 2) -> Mesh:
+    return Mesh(np.array(jax.devices()[:n]), ("seq",))
+
+
+def _sharded(fn, in_specs, out_specs=P("seq")):
+    return jax.jit(
+        jax.shard_map(fn, mesh=_mesh(), in_specs=in_specs, out_specs=out_specs)
+    )
+
+
+def _loss(fn, w):
+    def loss(*args):
+        out = fn(*args)
+        return jnp.sum(jnp.real(out) * w) + jnp.sum(jnp.imag(out) * w[::-1])
+
+    return loss
+
+
+def _assert_close(x, y, rtol=1e-10, atol=1e-12):
+    for a, b in zip(jax.tree.leaves(x), jax.tree.leaves(y)):
+        np.testing.assert_allclose(a, b, rtol=rtol, atol=atol)
+
+
+@pytest.mark.parametrize("inner", list(INNER))
+@pytest.mark.parametrize("reverse", [False, True])
+@pytest.mark.parametrize("decay", ["invariant, complex", "varying, real"])
+def test_linear_recurrence(decay, reverse, inner):
+    """Values and gradients with respect to `a`, `b` and `h0` equal the one-device
+    ones, for both directions and both kinds of decay."""
+    T, S = 40, (3, 2)
+    k = jr.split(jr.key(0), 5)
+    varying = decay.startswith("varying")
+    a = jr.uniform(k[0], (T, *S) if varying else S, minval=-0.99, maxval=0.99)
+    b = jr.normal(k[1], (T, *S))
+    h0 = jr.normal(k[2], S)
+    if not varying:  # complex: a rotation and decay, complex inputs
+        a = a.astype(jnp.complex128) * jnp.exp(0.4j)
+        b = jax.lax.complex(b, jr.normal(k[3], (T, *S)))
+        h0 = h0.astype(jnp.complex128) - 0.5j
+    w = jr.normal(k[4], (T, *S))
+    one = lambda a, b, h0: eqx_seq.linear_recurrence(
+        a, b, h0, scan=INNER[inner], reverse=reverse
+    )
+    scan = eqx_seq.ShardedScan("seq", INNER[inner])
+    split = _sharded(
+        lambda a, b, h0: eqx_seq.linear_recurrence(
+            a, b, h0, scan=scan, reverse=reverse
+        ),
+        (P("seq") if varying else P(), P("seq"), P()),
+    )
+    _assert_close(split(a, b, h0), one(a, b, h0))
+    grads = [
+        jax.jit(jax.grad(_loss(f, w), argnums=(0, 1, 2)))(a, b, h0)
+        for f in (one, split)
+    ]
+    _assert_close(grads[1], grads[0])
+
+
+def test_initial_and_final_state():
+    """Only the first device's `h0` counts (the last's with `reverse`); the last
+    device's last step is the final state."""
+    T, S = 16, (4,)
+    a = jnp.linspace(0.5, 0.9, 4)
+    b = jr.normal(jr.key(1), (T, *S))
+    h0s = jr.normal(jr.key(2), (2, *S))  # one per device
+    scan = eqx_seq.ShardedScan("seq")
+    for reverse, holder in ((False, 0), (True, 1)):
+        split = _sharded(
+            lambda b, h0: eqx_seq.linear_recurrence(
+                a, b, h0[0], scan=scan, reverse=reverse
+            ),
+            (P("seq"), P("seq")),
+        )
+        expected = eqx_seq.linear_recurrence(a, b, h0s[holder], reverse=reverse)
+        out = split(b, h0s)
+        _assert_close(out, expected)
+        final = out[0] if reverse else out[-1]
+        _assert_close(final, expected[0] if reverse else expected[-1])
+
+
+def test_recurrence_jacobians():
+    T, S = 24, (3,)
+    a = jnp.array([0.5, -0.8, 0.95])
+    b = jr.normal(jr.key(3), (T, *S))
+    h0 = jr.normal(jr.key(4), S)
+    scan = eqx_seq.ShardedScan("seq")
+    split = _sharded(
+        lambda b, h0: eqx_seq.recurrence_jacobians(a, b, h0, scan=scan),
+        (P("seq"), P()),
+    )
+    _assert_close(split(b, h0), eqx_seq.recurrence_jacobians(a, b, h0))
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda scan, key: eqx_seq.S5(3, 8, scan=scan, key=key),
+        lambda scan, key: eqx_seq.S5(3, 8, bidirectional=True, scan=scan, key=key),
+        lambda scan, key: eqx_seq.LRU(3, 8, scan=scan, key=key),
+        lambda scan, key: eqx_seq.RGLRU(4, num_heads=2, scan=scan, key=key),
+    ],
+    ids=["s5", "s5-bidirectional", "lru", "rglru"],
+)
+def test_layers(make):
+    """A layer on one sequence split over the devices: outputs and the gradients of
+    its parameters (summed over the devices by JAX) equal one device's."""
+    one = make(eqx_seq.SequentialScan(), jr.key(5))
+    split_layer = make(eqx_seq.ShardedScan("seq"), jr.key(5))
+    features = 4 if isinstance(one, eqx_seq.RGLRU) else 3
+    x = jr.normal(jr.key(6), (30, features))
+    w = jr.normal(jr.key(7), (30, features))
+    params, static = eqx.partition(split_layer, eqx.is_inexact_array)
+    run = jax.shard_map(
+        lambda p, x: eqx.combine(p, static)(x),
+        mesh=_mesh(),
+        in_specs=(P(), P("seq")),
+        out_specs=P("seq"),
+    )
+    _assert_close(jax.jit(run)(params, x), one(x))
+    loss = lambda f: lambda p, x: jnp.sum(jnp.real(f(p, x)) * w)
+    g_split = jax.jit(jax.grad(loss(run)))(params, x)
+    p_one, s_one = eqx.partition(one, eqx.is_inexact_array)
+    g_one = jax.jit(jax.grad(loss(lambda p, x: eqx.combine(p, s_one)(x))))(p_one, x)
+    _assert_close(g_split, g_one, rtol=1e-9)
+
+
+def test_bad_input():
+    b = jnp.ones((8, 2))
+    with pytest.raises(ValueError, match="inside `jax.shard_map`"):
+        eqx_seq.linear_recurrence(0.5, b, scan=eqx_seq.ShardedScan("seq"))
+    wrong = _sharded(
+        lambda b: eqx_seq.linear_recurrence(0.5, b, scan=eqx_seq.ShardedScan("time")),
+        (P("seq"),),
+    )
+    with pytest.raises(ValueError, match="axis named 'time'"):
+        wrong(b)
+    for axis_name in ("", 3):
+        with pytest.raises(ValueError, match="`axis_name` must be"):
+            eqx_seq.ShardedScan(axis_name)
+    with pytest.raises(ValueError, match="cannot be another ShardedScan"):
+        eqx_seq.ShardedScan("seq", inner=eqx_seq.ShardedScan("seq"))
+    with pytest.raises(ValueError, match="must be an `eqx_seq.AbstractScan`"):
+        eqx_seq.ShardedScan("seq", inner="sequential")
+    # what needs more than the recurrence's state across a boundary refuses it
+    scan = eqx_seq.ShardedScan("seq")
+    for build in (
+        lambda: eqx_seq.KalmanFilter(2, 1, scan=scan, key=jr.key(0)),
+        lambda: eqx_seq.Mamba(4, scan=scan, key=jr.key(0)),
+        lambda: eqx_seq.HawkBlock(4, scan=scan, key=jr.key(0)),
+        lambda: eqx_seq.SequenceClassifier(2, 3, scan=scan, key=jr.key(0)),
+        lambda: eqx_seq.tridiagonal_solve(b, b, b, b, scan=scan),
+    ):
+        with pytest.raises(ValueError, match="does not run on a time axis split"):
+            build()
+    # an uneven split is shard_map's error
+    uneven = _sharded(
+        lambda b: eqx_seq.linear_recurrence(0.5, b, scan=scan), (P("seq"),)
+    )
+    with pytest.raises(ValueError, match="divisible"):
+        uneven(jnp.ones((7, 2)))
+
+
+_EIGHT_DEVICES = textwrap.dedent(
+    """
+    import jax
+    jax.config.update("jax_num_cpu_devices", 8)
+    jax.config.update("jax_enable_x64", True)
+    import jax.numpy as jnp, jax.random as jr, numpy as np
+    from jax.sharding import Mesh, PartitionSpec as P
+    import eqx_seq
+
+    mesh = Mesh(np.array(jax.devices()), ("seq",))
+    T, S = 64, (3,)
+    k = jr.split(jr.key(0), 4)
+    w = jr.normal(k[3], (T, *S))
+    worst = 0.0
+    for varying in (False, True):
+        a = jr.uniform(k[0], (T, *S) if varying else S, minval=-0.99, maxval=0.99)
+        b, h0 = jr.normal(k[1], (T, *S)), jr.normal(k[2], S)
+        for reverse in (False, True):
+            scan = eqx_seq.ShardedScan("seq")
+            one = lambda a, b, h0: eqx_seq.linear_recurrence(a, b, h0, reverse=reverse)
+            split = jax.jit(jax.shard_map(
+                lambda a, b, h0: eqx_seq.linear_recurrence(
+                    a, b, h0, scan=scan, reverse=reverse),
+                mesh=mesh, in_specs=(P("seq") if varying else P(), P("seq"), P()),
+                out_specs=P("seq")))
+            loss = lambda f: lambda *x: jnp.sum(f(*x) * w)
+            pairs = [(one(a, b, h0), split(a, b, h0))] + list(zip(
+                jax.grad(loss(one), argnums=(0, 1, 2))(a, b, h0),
+                jax.jit(jax.grad(loss(split), argnums=(0, 1, 2)))(a, b, h0)))
+            for x, y in pairs:
+                worst = max(worst, float(jnp.max(jnp.abs(x - y))))
+    print("max abs difference", worst)
+    assert worst < 1e-11, worst
+    """
+)
+
+
+def test_eight_devices():
+    """Eight blocks (eight forced CPU devices, in a subprocess): values and
+    gradients of both kinds of decay, both directions, against one device."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    out = subprocess.run(
+        [sys.executable, "-c", _EIGHT_DEVICES],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=240,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "max abs difference" in out.stdout
