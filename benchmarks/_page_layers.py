@@ -343,3 +343,84 @@ def selective_plot(p, ax):
     ax.set_xlabel("T")
     ax.set_ylabel("ms (median)")
     ax.set_title("Selective scan: gradient (solid) and forward (dashed)")
+
+
+# --- bench_sequence_parallel.py -----------------------------------------------------
+_SP_WORK = {
+    "recurrence": "`linear_recurrence`, T = 10^6, state 64",
+    "s5": "`S5`, T = 2·10^5",
+}
+
+
+def sequence_parallel_tables(p):
+    rows = []
+    for work, label in _SP_WORK.items():
+        for what, r in p[work].items():
+            mib = r["mib_per_device"]
+            rows.append(
+                [
+                    label,
+                    what,
+                    ms(r["one device"]["median_ms"]),
+                    ms(r["sharded"]["median_ms"]),
+                    times(r["speed_up"]),
+                    f"{mib['one device']:.0f}",
+                    f"{mib['sharded']:.0f}",
+                    times(mib["sharded"] / mib["one device"]),
+                ]
+            )
+    out = [
+        "float32, one sequence: one device against the same sequence split along "
+        "time over two CPU devices (`ShardedScan` in `shard_map`, inputs already "
+        "split); memory per device from XLA's analysis of the compiled program "
+        "(arguments, outputs, temporaries).",
+        "",
+    ]
+    return out + table(
+        "workload | program | one device ms | two devices ms | speed-up | "
+        "MiB/device, one | MiB/device, two | memory, two / one",
+        rows,
+        left=2,
+    )
+
+
+def sequence_parallel_summary(p):
+    runs = [r for work in _SP_WORK for r in p[work].values()]
+    mem = [
+        r["mib_per_device"]["sharded"] / r["mib_per_device"]["one device"] for r in runs
+    ]
+    return (
+        f"two CPU devices against one: {faster([r['speed_up'] for r in runs])}, "
+        f"{span(mem)} the memory per device"
+    )
+
+
+def sequence_parallel_scaling_tables(p):
+    rows = [
+        [
+            n,
+            ms(r["forward"]["median_ms"]),
+            ms(r["grad"]["median_ms"]),
+            r["bytes_forward"],
+        ]
+        for n, r in p["scaling"].items()
+    ]
+    out = [
+        "`linear_recurrence` with `ShardedScan`, T = 10^6, state 64, float32, on "
+        "forced CPU devices that share the machine's two cores (how the exchange "
+        "scales, not a speed-up); bytes: what one device receives in the forward "
+        "pass's gather, from the collective's shapes.",
+        "",
+    ]
+    return out + table(
+        "devices | forward ms | gradient ms | gathered bytes/device", rows
+    )
+
+
+def sequence_parallel_scaling_summary(p):
+    runs = p["scaling"]
+    last = max(runs, key=int)
+    return (
+        f"forward {ms(runs['1']['forward']['median_ms'])} ms on 1 device, "
+        f"{ms(runs[last]['forward']['median_ms'])} ms on {last}"
+    )

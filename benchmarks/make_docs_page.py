@@ -72,6 +72,21 @@ BENCHES = {
         plot=solvers.tridiagonal_plot,
         panels=2,
     ),
+    "sequence_parallel": dict(
+        title="Sequence parallelism",
+        what="One sequence split along time over two CPU devices (`ShardedScan`) "
+        "against one device: `linear_recurrence` and an `S5` layer, forward and "
+        "gradient, time and memory per device.",
+        tables=layers.sequence_parallel_tables,
+        summary=layers.sequence_parallel_summary,
+    ),
+    "sequence_parallel_scaling": dict(
+        title="Sequence parallelism: the exchange on more devices",
+        script="bench_sequence_parallel.py --devices 8",
+        what="`ShardedScan` on 1, 2, 4 and 8 forced CPU devices.",
+        tables=layers.sequence_parallel_scaling_tables,
+        summary=layers.sequence_parallel_scaling_summary,
+    ),
     "kalman": dict(
         title="Kalman filter",
         what="`KalmanFilter` (filter, gradient of the log-likelihood, smoother, "

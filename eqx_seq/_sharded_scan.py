@@ -34,18 +34,25 @@ def _mesh_axis(axis_name: str) -> tuple[int, Array]:
         ) from e
 
 
-def _decay_product(a: Array, b: Array) -> Array:
-    """The product of the block's decays: its map's `A`."""
-    if a.ndim < b.ndim:  # time-invariant
-        return a ** b.shape[0]
-    return jnp.prod(a, axis=0)
+def _block_map(a: Array, b: Array, *, reverse: bool) -> tuple[Array, Array]:
+    """The block's affine map `(A, H)`: the product of its decays and its last
+    state from zero (in run order), by a loop that carries them and writes no
+    state, which reads the block once where a recurrence also writes it."""
+    num_steps = b.shape[0]
+    varying = a.ndim == b.ndim
 
+    def step(i, carry):
+        prod, h = carry
+        t = num_steps - 1 - i if reverse else i
+        b_t = lax.dynamic_index_in_dim(b, t, keepdims=False)
+        if not varying:
+            return prod, a * h + b_t
+        a_t = lax.dynamic_index_in_dim(a, t, keepdims=False)
+        return prod * a_t, a_t * h + b_t
 
-def _powers(a: Array, num_steps: int, *, reverse: bool) -> Array:
-    """`a^(t+1)` at step `t` of the run (from the end when `reverse`): how an
-    initial state reaches each step of a block with a time-invariant decay."""
-    powers = jnp.cumprod(jnp.broadcast_to(a, (num_steps, *a.shape)), axis=0)
-    return jnp.flip(powers, 0) if reverse else powers
+    h = jnp.zeros_like(b[0])
+    prod = a**num_steps if not varying else jnp.ones_like(h)
+    return lax.fori_loop(0, num_steps, step, (prod, h))
 
 
 class ShardedScan(AbstractScan):
@@ -93,24 +100,16 @@ class ShardedScan(AbstractScan):
         reverse: bool = False,
     ) -> Inexact[Array, " T *S"]:
         num_devices, index = _mesh_axis(self.axis_name)
-        inner = self.inner.select()
-        local = inner.recurrence(a, b, reverse=reverse)
-        last = local[0] if reverse else local[-1]
-        maps = lax.all_gather((_decay_product(a, b), last), self.axis_name)
+        maps = lax.all_gather(_block_map(a, b, reverse=reverse), self.axis_name)
         order = range(num_devices - 1, -1, -1) if reverse else range(num_devices)
-        first = order[0]
         # the carry into this block: the maps of the blocks before it, in run order
-        carry = (
-            jnp.zeros_like(last)
-            if h0 is None
-            else lax.all_gather(h0, self.axis_name)[first]
-        )
+        carry = jnp.zeros_like(b[0])
+        if h0 is not None:
+            carry = carry + lax.all_gather(h0, self.axis_name)[order[0]]
         for j in order:
             before = (j > index) if reverse else (j < index)
             carry = jnp.where(before, maps[0][j] * carry + maps[1][j], carry)
-        if a.ndim < b.ndim:  # time-invariant: `a^(t+1)` in closed form
-            return local + _powers(a, b.shape[0], reverse=reverse) * carry[None]
-        return inner.recurrence(a, b, carry, reverse=reverse)
+        return self.inner.select().recurrence(a, b, carry, reverse=reverse)
 
     def shift(
         self,

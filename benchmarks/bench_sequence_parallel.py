@@ -1,0 +1,253 @@
+"""Sequence parallelism: one long sequence on one device against the same sequence
+split over the devices along time (`eqx_seq.ShardedScan` in `jax.shard_map`).
+
+float32, one sequence. In one interleaved run (`_timing.measure_many`) per workload:
+the one-device program (the inner backend alone) and the sharded one, forward and
+gradient (a sum of the states weighted by a fixed array, w.r.t. every input):
+
+- `linear_recurrence`, T = 10^6, state 64, a time-varying decay and `h0`;
+- an `S5` layer (8 features, 64 states), T = 2 * 10^5, gradient w.r.t. its
+  parameters and the input.
+
+"speed-up" is the one-device time over the sharded one. The recurrence streams its
+inputs and states through memory, so the run first measures the ceiling: an
+elementwise pass over 512 MiB (read and written) on one device and split over the
+devices. "MiB/device" is XLA's
+memory analysis of the compiled program (arguments, outputs and temporaries of one
+device). With `--devices 8`, the recurrence on 1, 2, 4 and 8 forced CPU devices (on
+a 2-core machine the devices share the cores: the column is how the exchange
+scales, not a speed-up), and the bytes each device receives in the forward pass's
+gather (counted from the collective's shapes).
+
+    python benchmarks/bench_sequence_parallel.py               # 1 vs 2 devices
+    python benchmarks/bench_sequence_parallel.py --devices 8   # the exchange
+"""
+
+import argparse
+import os
+import sys
+
+
+def _devices_from_argv() -> int:
+    # the device count must be set before JAX starts its backend
+    if "--devices" in sys.argv:
+        return int(sys.argv[sys.argv.index("--devices") + 1])
+    return 2
+
+
+import jax  # noqa: E402
+
+
+jax.config.update("jax_num_cpu_devices", _devices_from_argv())
+
+import equinox as eqx  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import jax.random as jr  # noqa: E402
+import numpy as np  # noqa: E402
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
+
+import eqx_seq  # noqa: E402
+
+
+sys.path.insert(0, os.path.dirname(__file__))
+from _timing import (  # noqa: E402
+    allocator_line,
+    machine,
+    measure_many,
+    results_path,
+    write_json,
+)
+
+
+def _mib(fn, *args) -> float:
+    m = fn.lower(*args).compile().memory_analysis()
+    total = m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
+    return total / 2**20
+
+
+def _put(mesh: Mesh, specs, arrays):
+    return tuple(
+        jax.device_put(x, NamedSharding(mesh, spec)) for x, spec in zip(arrays, specs)
+    )
+
+
+def recurrence_programs(T: int, S: int, num_devices: int):
+    """`(name -> (fn, args))` of the recurrence, one device and `num_devices`."""
+    k = jr.split(jr.key(0), 4)
+    a = jr.uniform(k[0], (T, S), jnp.float32, 0.9, 0.999)
+    b = jr.normal(k[1], (T, S), jnp.float32)
+    h0 = jr.normal(k[2], (S,), jnp.float32)
+    w = jr.normal(k[3], (T, S), jnp.float32)
+    inner = eqx_seq.SequentialScan()
+    one = lambda a, b, h0: eqx_seq.linear_recurrence(a, b, h0, scan=inner)
+    mesh = Mesh(np.array(jax.devices()[:num_devices]), ("seq",))
+    scan = eqx_seq.ShardedScan("seq", inner)
+    sharded = jax.shard_map(
+        lambda a, b, h0: eqx_seq.linear_recurrence(a, b, h0, scan=scan),
+        mesh=mesh,
+        in_specs=(P("seq"), P("seq"), P()),
+        out_specs=P("seq"),
+    )
+    grad = lambda f, w: jax.grad(lambda *x: jnp.sum(f(*x) * w), argnums=(0, 1, 2))
+    args = (a, b, h0)
+    # the sharded programs get their inputs already split, as a pipeline would
+    split = _put(mesh, (P("seq"), P("seq"), P(), P("seq")), (a, b, h0, w))
+    return {
+        "one device: forward": (jax.jit(one), args),
+        "sharded: forward": (jax.jit(sharded), split[:3]),
+        "one device: grad": (jax.jit(grad(one, w)), args),
+        "sharded: grad": (jax.jit(grad(sharded, split[3])), split[:3]),
+    }
+
+
+def s5_programs(T: int, num_devices: int):
+    x = jr.normal(jr.key(1), (T, 8), jnp.float32)
+    w = jr.normal(jr.key(2), (T, 8), jnp.float32)
+    mesh = Mesh(np.array(jax.devices()[:num_devices]), ("seq",))
+    progs = {}
+    for label, scan in (
+        ("one device", eqx_seq.SequentialScan()),
+        ("sharded", eqx_seq.ShardedScan("seq", eqx_seq.SequentialScan())),
+    ):
+        layer = eqx_seq.S5(8, 64, scan=scan, dtype=jnp.float32, key=jr.key(0))
+        params, static = eqx.partition(layer, eqx.is_inexact_array)
+        run = lambda p, x, static=static: eqx.combine(p, static)(x)
+        if label == "sharded":
+            run = jax.shard_map(
+                run, mesh=mesh, in_specs=(P(), P("seq")), out_specs=P("seq")
+            )
+        args, w_ = (params, x), w
+        if label == "sharded":
+            *args, w_ = _put(mesh, (P(), P("seq"), P("seq")), (params, x, w))
+        loss = lambda p, x, run=run, w=w_: jnp.sum(run(p, x) * w)
+        progs[f"{label}: forward"] = (jax.jit(run), tuple(args))
+        progs[f"{label}: grad"] = (jax.jit(jax.grad(loss, argnums=(0, 1))), tuple(args))
+    return progs
+
+
+def stream_ceiling(num_devices: int, repeats: int) -> dict:
+    """An elementwise pass over 512 MiB, read and written: one device against the
+    array split over `num_devices`. Bounds what splitting a memory-bound loop gains."""
+    mesh = Mesh(np.array(jax.devices()[:num_devices]), ("seq",))
+    x = jnp.ones((2 * 10**6, 64), jnp.float32)
+    fn = lambda x: x * 1.5 + 1.0
+    progs = {
+        "one device": (jax.jit(fn), (x,)),
+        "sharded": (
+            jax.jit(
+                jax.shard_map(fn, mesh=mesh, in_specs=P("seq"), out_specs=P("seq"))
+            ),
+            _put(mesh, (P("seq"),), (x,)),
+        ),
+    }
+    res = measure_many(progs, repeats=repeats)
+    gb = 2 * x.nbytes / 1e9
+    rates = {k: gb / (r["median_ms"] / 1e3) for k, r in res.items()}
+    speed_up = res["one device"]["median_ms"] / res["sharded"]["median_ms"]
+    print(
+        f"\nmemory stream (1 GB moved): one device {rates['one device']:.1f} GB/s, "
+        f"{num_devices} devices {rates['sharded']:.1f} GB/s: ceiling {speed_up:.2f}x"
+    )
+    return {"runs": res, "gb_per_s": rates, "speed_up": speed_up}
+
+
+def compare(title: str, progs: dict, repeats: int) -> dict:
+    res = measure_many(progs, repeats=repeats)
+    print(f"\n{title}")
+    print(
+        f"{'program':22s} {'one dev ms':>10s} {'sharded ms':>10s} {'speed-up':>8s} "
+        f"{'MiB/dev one':>11s} {'MiB/dev shd':>11s} {'compile s':>10s}"
+    )
+    out = {}
+    for what in ("forward", "grad"):
+        one, shd = res[f"one device: {what}"], res[f"sharded: {what}"]
+        mib = [
+            _mib(progs[key][0], *progs[key][1])
+            for key in (f"one device: {what}", f"sharded: {what}")
+        ]
+        speed_up = one["median_ms"] / shd["median_ms"]
+        print(
+            f"{what:22s} {one['median_ms']:10.1f} {shd['median_ms']:10.1f} "
+            f"{speed_up:7.2f}x {mib[0]:11.1f} {mib[1]:11.1f} "
+            f"{one['first_call_s']:4.1f}/{shd['first_call_s']:<5.1f}",
+            flush=True,
+        )
+        out[what] = {
+            "one device": one,
+            "sharded": shd,
+            "speed_up": speed_up,
+            "mib_per_device": {"one device": mib[0], "sharded": mib[1]},
+        }
+    return out
+
+
+def scaling(T: int, S: int, repeats: int) -> dict:
+    """The sharded recurrence on 1, 2, 4, ... devices (forced CPU devices)."""
+    print(
+        f"\nexchange scaling: linear_recurrence, T = {T}, state {S}, float32 "
+        "(forced CPU devices sharing the cores)"
+    )
+    print(
+        f"{'devices':>7s} {'forward ms':>10s} {'grad ms':>9s} "
+        f"{'exchanged B/dev fwd':>20s} {'grad':>6s}"
+    )
+    out = {}
+    n = 1
+    while n <= jax.device_count():
+        progs = recurrence_programs(T, S, n)
+        progs = {k: v for k, v in progs.items() if k.startswith("sharded")}
+        res = measure_many(progs, repeats=repeats)
+        # per device, per recurrence: the gathered maps (2 |S| from each device)
+        # and `h0` (|S| each); the gradient adds the tangent's and the adjoint's
+        # gathers and the boundary states passed to a neighbour
+        item = 4
+        fwd_bytes = (2 * S + S) * n * item
+        grad_bytes = 3 * fwd_bytes + 2 * S * item
+        f, g = res["sharded: forward"], res["sharded: grad"]
+        print(
+            f"{n:7d} {f['median_ms']:10.1f} {g['median_ms']:9.1f} "
+            f"{fwd_bytes:20d} {grad_bytes:6d}",
+            flush=True,
+        )
+        out[str(n)] = {"forward": f, "grad": g, "bytes_forward": fwd_bytes}
+        n *= 2
+    return out
+
+
+def main():
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--devices", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--json", help="default: results/<machine>/...json")
+    args = parser.parse_args()
+    info = machine()
+    print(
+        f"machine: {info['cpu']} ({info['cores']} cores), jax {info['jax']}, "
+        f"{jax.device_count()} CPU devices"
+    )
+    print(allocator_line(info))
+    if args.devices != 2:
+        payload = {"machine": info, "scaling": scaling(10**6, 64, args.repeats)}
+        write_json(args.json or results_path("sequence_parallel_scaling"), payload)
+        return
+    payload = {
+        "machine": info,
+        "stream": stream_ceiling(2, args.repeats),
+        "recurrence": compare(
+            "linear_recurrence, T = 10^6, state 64, float32: 1 vs 2 devices",
+            recurrence_programs(10**6, 64, 2),
+            args.repeats,
+        ),
+        "s5": compare(
+            "S5 (8 features, 64 states), T = 2*10^5, float32: 1 vs 2 devices",
+            s5_programs(200_000, 2),
+            args.repeats,
+        ),
+    }
+    write_json(args.json or results_path("sequence_parallel"), payload)
+
+
+if __name__ == "__main__":
+    main()
