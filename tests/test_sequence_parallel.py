@@ -157,6 +157,35 @@ def test_layers(make):
     _assert_close(g_split, g_one, rtol=1e-9)
 
 
+def test_language_model():
+    """`LanguageModel` (S5 blocks) on one token stream split over the devices: the
+    logits and the gradient of a next-token loss equal one device's."""
+    ids = jr.randint(jr.key(8), (32,), 0, 20)
+    make = lambda scan: eqx_seq.LanguageModel(
+        20, width=8, depth=2, state_size=4, scan=scan, key=jr.key(9)
+    )
+    one, split_lm = make(eqx_seq.SequentialScan()), make(eqx_seq.ShardedScan("seq"))
+    params, static = eqx.partition(split_lm, eqx.is_inexact_array)
+
+    def nll(lm, ids):  # summed over this device's tokens
+        logp = jax.nn.log_softmax(lm(ids)[:-1])
+        return -jnp.sum(jnp.take_along_axis(logp, ids[1:, None], axis=1))
+
+    logits = jax.shard_map(
+        lambda p, ids: eqx.combine(p, static)(ids),
+        mesh=_mesh(),
+        in_specs=(P(), P("seq")),
+        out_specs=P("seq"),
+    )
+    _assert_close(jax.jit(logits)(params, ids), one(ids), rtol=1e-9)
+    # the loss of the whole stream from the sharded logits
+    loss = lambda p: nll(lambda ids: logits(p, ids), ids)
+    g_split = jax.jit(jax.grad(loss))(params)
+    p_one, s_one = eqx.partition(one, eqx.is_inexact_array)
+    g_one = jax.jit(jax.grad(lambda p: nll(eqx.combine(p, s_one), ids)))(p_one)
+    _assert_close(g_split, g_one, rtol=1e-9)
+
+
 def test_bad_input():
     b = jnp.ones((8, 2))
     with pytest.raises(ValueError, match="inside `jax.shard_map`"):

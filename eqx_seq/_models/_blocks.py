@@ -8,7 +8,7 @@ import jax.random as jr
 from jaxtyping import Array, PRNGKeyArray
 
 from .._misc import check_positive_int
-from .._scan import AbstractScan, check_scan
+from .._scan import AbstractScan
 from .._ssm._block import S5Block
 from .._ssm._hawk import HawkBlock
 from .._ssm._lru import LRU
@@ -43,8 +43,6 @@ def make_blocks(
     [`eqx_seq.HawkBlock`][]s or [`eqx_seq.MambaBlock`][]s (`activation`, `prenorm`
     and `ssm_blocks` are the S5 block's; the selective layers are causal)."""
     check_positive_int("depth", depth)
-    # pooling, and the selective mixers' convolutions, cross block boundaries
-    check_scan(scan, name="eqx_seq's models")
     if mixer not in MIXERS:
         raise ValueError(f"`mixer` must be one of {MIXERS}, got {mixer!r}.")
     if bidirectional and mixer not in ("s5", "lru"):

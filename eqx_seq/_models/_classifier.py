@@ -9,7 +9,7 @@ import jax.random as jr
 from jaxtyping import Array, ArrayLike, Bool, Float, PRNGKeyArray, Real
 
 from .._misc import check_positive_int, error_if_any
-from .._scan import AbstractScan, AutoScan
+from .._scan import AbstractScan, AutoScan, check_scan
 from ._blocks import Block, make_blocks, Mixer, run_blocks
 
 
@@ -84,6 +84,8 @@ class SequenceClassifier(eqx.Module):
         check_positive_int("width", width)
         if pooling not in ("mean", "last"):
             raise ValueError(f'`pooling` must be "mean" or "last", got {pooling!r}.')
+        # pooling reads the whole sequence: no time split over devices
+        check_scan(scan, name="eqx_seq.SequenceClassifier")
         ekey, bkey, hkey = jr.split(key, 3)
         self.encoder = eqx.nn.Linear(in_features, width, dtype=dtype, key=ekey)
         self.blocks = make_blocks(
