@@ -1,13 +1,13 @@
 """Sequence parallelism: the diagonal recurrence with its time axis split over the
 devices of a mesh axis, inside `jax.shard_map`.
 
-Each device solves its block from zero with an inner backend and reduces it to the
-affine map `h -> A h + H` of the whole block (`A` the product of its decays, `H` its
-last state). The devices gather those `2 |S|` numbers, each folds the maps of the
-devices before it into its own initial state, and corrects its block. The adjoint is
-the same recurrence backwards in time, so `eqx_seq.linear_recurrence`'s derivatives
-run this backend too; the one step that crosses a block boundary (`shift`) is passed
-between neighbours. See `docs/devdocs/sequence-parallel.md`.
+Each device reduces its block to the affine map `h -> A h + H` of the whole block
+(`A` the product of its decays, `H` its last state from zero). The devices gather
+those `2 |S|` numbers, each folds the maps of the blocks before it into its initial
+state, and runs the inner backend on its block from there. The adjoint is the same
+recurrence backwards in time, so `eqx_seq.linear_recurrence`'s derivatives run this
+backend too; the one step that crosses a block boundary (`shift`) is passed between
+neighbours. See `docs/devdocs/sequence-parallel.md`.
 """
 
 from typing import ClassVar
@@ -34,12 +34,20 @@ def _mesh_axis(axis_name: str) -> tuple[int, Array]:
         ) from e
 
 
-def _block_map(a: Array, b: Array, *, reverse: bool) -> tuple[Array, Array]:
+def _block_map(
+    inner: AbstractScan, a: Array, b: Array, *, reverse: bool
+) -> tuple[Array, Array]:
     """The block's affine map `(A, H)`: the product of its decays and its last
-    state from zero (in run order), by a loop that carries them and writes no
-    state, which reads the block once where a recurrence also writes it."""
+    state from zero (in run order). A sequential `inner` gets a loop that carries
+    them and writes no state (it reads the block once, where a recurrence also
+    writes it: the loop is memory-bound); a parallel one its own recurrence and a
+    reduction, which keep its depth logarithmic."""
     num_steps = b.shape[0]
     varying = a.ndim == b.ndim
+    if getattr(type(inner), "parallel", False):
+        states = inner.recurrence(a, b, reverse=reverse)
+        prod = jnp.prod(a, axis=0) if varying else a**num_steps
+        return prod, states[0] if reverse else states[-1]
 
     def step(i, carry):
         prod, h = carry
@@ -100,7 +108,8 @@ class ShardedScan(AbstractScan):
         reverse: bool = False,
     ) -> Inexact[Array, " T *S"]:
         num_devices, index = _mesh_axis(self.axis_name)
-        maps = lax.all_gather(_block_map(a, b, reverse=reverse), self.axis_name)
+        inner = self.inner.select()
+        maps = lax.all_gather(_block_map(inner, a, b, reverse=reverse), self.axis_name)
         order = range(num_devices - 1, -1, -1) if reverse else range(num_devices)
         # the carry into this block: the maps of the blocks before it, in run order
         carry = jnp.zeros_like(b[0])
@@ -109,7 +118,7 @@ class ShardedScan(AbstractScan):
         for j in order:
             before = (j > index) if reverse else (j < index)
             carry = jnp.where(before, maps[0][j] * carry + maps[1][j], carry)
-        return self.inner.select().recurrence(a, b, carry, reverse=reverse)
+        return inner.recurrence(a, b, carry, reverse=reverse)
 
     def shift(
         self,
