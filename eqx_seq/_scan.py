@@ -332,8 +332,8 @@ class AutoScan(AbstractScan):
 # error that refuses it elsewhere.
 _SPLITS_TIME_USERS = (
     "`eqx_seq.linear_recurrence`, `eqx_seq.recurrence_jacobians`, `eqx_seq.S5`, "
-    "`eqx_seq.LRU` and `eqx_seq.RGLRU`, and `eqx_seq.S5Block` and "
-    "`eqx_seq.LanguageModel` around S5 or LRU layers"
+    "`eqx_seq.LRU` and `eqx_seq.RGLRU` (their calls and `final_state`), and "
+    "`eqx_seq.S5Block` and `eqx_seq.LanguageModel` around S5 or LRU layers"
 )
 
 

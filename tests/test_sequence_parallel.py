@@ -111,6 +111,15 @@ def test_initial_and_final_state():
         _assert_close(final, expected[0] if reverse else expected[-1])
 
 
+def test_final_state():
+    """`S5.final_state` on the last device is the whole sequence's."""
+    one = eqx_seq.S5(3, 8, scan=eqx_seq.SequentialScan(), key=jr.key(0))
+    split_layer = eqx_seq.S5(3, 8, scan=eqx_seq.ShardedScan("seq"), key=jr.key(0))
+    x = jr.normal(jr.key(1), (20, 3))
+    finals = _sharded(lambda x: split_layer.final_state(x)[None], (P("seq"),))(x)
+    _assert_close(finals[-1], one.final_state(x))
+
+
 def test_recurrence_jacobians():
     T, S = 24, (3,)
     a = jnp.array([0.5, -0.8, 0.95])
@@ -214,6 +223,9 @@ def test_bad_input():
     ):
         with pytest.raises(ValueError, match="does not run on a time axis split"):
             build()
+    layer = eqx_seq.S5(3, 4, scan=scan, key=jr.key(0))
+    with pytest.raises(ValueError, match="parameter_jacobians does not run"):
+        layer.parameter_jacobians(jnp.ones((8, 3)))
     # an uneven split is shard_map's error
     uneven = _sharded(
         lambda b: eqx_seq.linear_recurrence(0.5, b, scan=scan), (P("seq"),)

@@ -21,7 +21,7 @@ from jaxtyping import Array, ArrayLike, Complex, Float, PRNGKeyArray, Real
 
 from .._misc import error_if_any
 from .._recurrence import linear_recurrence
-from .._scan import AbstractScan
+from .._scan import AbstractScan, check_scan
 
 
 def complex_dtype(dtype) -> jnp.dtype:
@@ -333,6 +333,9 @@ class AbstractDiagonalSSM(eqx.Module):
 
         An [`eqx_seq.SSMJacobians`][].
         """
+        # the Jacobians read the previous state and sum over the steps within a
+        # block: no time split over devices
+        check_scan(self.scan, name=f"eqx_seq.{type(self).__name__}.parameter_jacobians")
         u, dt, h0 = self._check_inputs(u, dt, h0, streaming=True)
         u = u.astype(self._real_dtype(u))
         cdtype = complex_dtype(u.dtype)
