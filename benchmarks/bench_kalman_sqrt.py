@@ -132,20 +132,6 @@ def _rounding_floor(model, ys):
     return total
 
 
-def _with_private(kf, **private):
-    """`kf` with private switches (`_square_root`, `_steady_state`) set."""
-    from eqx_seq._kalman._parameters import _Parameters
-
-    params = _Parameters(
-        kf.F, kf.H, kf.B, kf.D, kf.m0, kf.Q_factor, kf.R_factor, kf.P0_factor,
-        kf.num_steps,
-    )  # fmt: skip
-    return eqx_seq.KalmanFilter(
-        kf.state_size, kf.obs_size, scan=kf.scan, key=None, _parameters=params,
-        **private,
-    )  # fmt: skip
-
-
 _GRAD = eqx.filter_jit(eqx.filter_grad(lambda kf, ys: kf.log_likelihood(ys)))
 
 
@@ -169,7 +155,7 @@ def _stiff_row(model, ys, scan):
     for P in (f32.covs, f32.predicted_covs, sm32.covs):
         ev = np.linalg.eigvalsh(np.asarray(P, np.float64))
         ratio.append(float((ev[..., 0] / ev[..., -1]).min()))
-    cov32 = _with_private(kf32, _square_root=False).filter(ys)
+    cov32 = kf32._with_private(_square_root=False).filter(ys)
     ll64 = float(kf(jnp.float64).filter(ys.astype(np.float64)).log_likelihood)
     return {
         "float32": float(f32.log_likelihood),
@@ -225,11 +211,11 @@ def _sqrt_vs_cov_programs(n, p, T, parallel):
     _, ys = base.sample(jr.key(1), T)
     progs = {}
     for form, private in (("sqrt", {}), ("cov", {"_square_root": False})):
-        kf = _with_private(base, **private)
+        kf = base._with_private(**private)
         if parallel:
             progs[f"{form}: par filter"] = (filt, (kf, ys))
             continue
-        exact = _with_private(base, _steady_state=False, **private)
+        exact = base._with_private(_steady_state=False, **private)
         progs[f"{form}: seq filter"] = (filt, (kf, ys))
         progs[f"{form}: seq filter (exact)"] = (filt, (exact, ys))
         progs[f"{form}: seq grad"] = (grad, (kf, ys))

@@ -17,7 +17,7 @@ import jax.lax as lax
 import jax.numpy as jnp
 from jaxtyping import Array, Inexact
 
-from ._scan import AbstractScan, AutoScan, check_scan
+from ._scan import AbstractScan, AutoScan, check_scan, shift_local
 
 
 def _mesh_axis(axis_name: str) -> tuple[int, Array]:
@@ -137,6 +137,4 @@ class ShardedScan(AbstractScan):
         received = lax.ppermute(edge, self.axis_name, pairs)
         fill = jnp.broadcast_to(fill, edge.shape)
         boundary = jnp.where(index == first, fill, received)
-        if reverse:
-            return jnp.concatenate([x[1:], boundary[None]])
-        return jnp.concatenate([boundary[None], x[:-1]])
+        return shift_local(x, boundary, reverse=reverse)

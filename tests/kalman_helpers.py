@@ -136,17 +136,7 @@ def assert_filtered(out, f, **tol):
 def with_private(kf, **private):
     """`kf` with the layer's private switches (`_square_root`, `_steady_state`)
     set, for the comparisons of the tests."""
-    from eqx_seq._kalman._parameters import _Parameters
-
-    params = _Parameters(
-        kf.F, kf.H, kf.B, kf.D, kf.m0, kf.Q_factor, kf.R_factor, kf.P0_factor,
-        kf.num_steps,
-    )  # fmt: skip
-    return eqx_seq.KalmanFilter(
-        kf.state_size, kf.obs_size, control_size=kf.control_size, scan=kf.scan,
-        prior_at=kf.prior_at, initialization=kf.initialization, key=None,
-        _parameters=params, **private,
-    )  # fmt: skip
+    return kf._with_private(**private)
 
 
 def build(model, scan, dtype=None, **options):

@@ -212,6 +212,22 @@ class KalmanFilter(_Predictive):
             _parameters=params,
         )
 
+    def _with_private(self, **private: bool) -> "KalmanFilter":
+        """The same model with the private switches (`_steady_state`,
+        `_square_root`) changed, for the comparisons of the tests and benchmarks."""
+        params = _Parameters(
+            self.F, self.H, self.B, self.D, self.m0, self.Q_factor, self.R_factor,
+            self.P0_factor, self.num_steps,
+        )  # fmt: skip
+        switches = {"_steady_state": self._steady_state}
+        switches["_square_root"] = self._square_root
+        return KalmanFilter(
+            self.state_size, self.obs_size, control_size=self.control_size,
+            scan=self.scan, prior_at=self.prior_at,
+            initialization=self.initialization, dtype=self.m0.dtype, key=None,
+            _parameters=params, **{**switches, **private},
+        )  # fmt: skip
+
     # --- the matrices ---
 
     @property
