@@ -16,14 +16,18 @@ devices. "MiB/device" is XLA's
 memory analysis of the compiled program (arguments, outputs and temporaries of one
 device). With `--devices 8`, the recurrence on 1, 2, 4 and 8 forced CPU devices (on
 a 2-core machine the devices share the cores: the column is how the exchange
-scales, not a speed-up), and the bytes each device receives in the forward pass's
-gather (counted from the collective's shapes).
+scales, not a speed-up), with each of `ShardedScan`'s exchanges (`all_gather`,
+`ppermute`): forward, gradient, the exchange alone (one step per device), and the
+bytes each device receives per exchange (`D * 2|S|` numbers by the gather,
+`ceil(log2 D) * 2|S|` by the ppermute scan).
 
     python benchmarks/bench_sequence_parallel.py               # 1 vs 2 devices
-    python benchmarks/bench_sequence_parallel.py --devices 8   # the exchange
+    python benchmarks/bench_sequence_parallel.py --devices 8   # the exchanges
+    python benchmarks/bench_sequence_parallel.py --devices 8 --quick  # runs?
 """
 
 import argparse
+import math
 import os
 import sys
 
@@ -71,7 +75,7 @@ def _put(mesh: Mesh, specs, arrays):
     )
 
 
-def recurrence_programs(T: int, S: int, num_devices: int):
+def recurrence_programs(T: int, S: int, num_devices: int, exchange: str = "all_gather"):
     """`(name -> (fn, args))` of the recurrence, one device and `num_devices`."""
     k = jr.split(jr.key(0), 4)
     a = jr.uniform(k[0], (T, S), jnp.float32, 0.9, 0.999)
@@ -81,7 +85,7 @@ def recurrence_programs(T: int, S: int, num_devices: int):
     inner = eqx_seq.SequentialScan()
     one = lambda a, b, h0: eqx_seq.linear_recurrence(a, b, h0, scan=inner)
     mesh = Mesh(np.array(jax.devices()[:num_devices]), ("seq",))
-    scan = eqx_seq.ShardedScan("seq", inner)
+    scan = eqx_seq.ShardedScan("seq", inner, exchange=exchange)
     sharded = jax.shard_map(
         lambda a, b, h0: eqx_seq.linear_recurrence(a, b, h0, scan=scan),
         mesh=mesh,
@@ -182,34 +186,49 @@ def compare(title: str, progs: dict, repeats: int) -> dict:
 
 
 def scaling(T: int, S: int, repeats: int) -> dict:
-    """The sharded recurrence on 1, 2, 4, ... devices (forced CPU devices)."""
+    """The sharded recurrence on 1, 2, 4, ... devices (forced CPU devices), with
+    each exchange: the forward pass, the gradient, and the exchange alone (the
+    recurrence with one step per device, so that the blocks cost next to nothing)."""
     print(
         f"\nexchange scaling: linear_recurrence, T = {T}, state {S}, float32 "
         "(forced CPU devices sharing the cores)"
     )
     print(
-        f"{'devices':>7s} {'forward ms':>10s} {'grad ms':>9s} "
-        f"{'exchanged B/dev fwd':>20s} {'grad':>6s}"
+        f"{'devices':>7s} {'exchange':>10s} {'forward ms':>10s} {'grad ms':>9s} "
+        f"{'exchange ms':>11s} {'received B/dev':>14s} {'grad':>6s}"
     )
     out = {}
     n = 1
     while n <= jax.device_count():
-        progs = recurrence_programs(T, S, n)
-        progs = {k: v for k, v in progs.items() if k.startswith("sharded")}
-        res = measure_many(progs, repeats=repeats)
-        # per device, per recurrence: the gathered maps (2 |S| from each device)
-        # and `h0` (|S| each); the gradient adds the tangent's and the adjoint's
-        # gathers and the boundary states passed to a neighbour
-        item = 4
-        fwd_bytes = (2 * S + S) * n * item
-        grad_bytes = 3 * fwd_bytes + 2 * S * item
-        f, g = res["sharded: forward"], res["sharded: grad"]
-        print(
-            f"{n:7d} {f['median_ms']:10.1f} {g['median_ms']:9.1f} "
-            f"{fwd_bytes:20d} {grad_bytes:6d}",
-            flush=True,
-        )
-        out[str(n)] = {"forward": f, "grad": g, "bytes_forward": fwd_bytes}
+        for exchange in ("all_gather", "ppermute"):
+            progs = recurrence_programs(T, S, n, exchange)
+            progs = {k: v for k, v in progs.items() if k.startswith("sharded")}
+            alone = recurrence_programs(n, S, n, exchange)["sharded: forward"]
+            progs["exchange alone"] = alone
+            res = measure_many(progs, repeats=repeats, min_time=0.05)
+            # received per device, per exchange: all D maps (2 |S| each) by the
+            # gather, one map per round by the ppermute scan; the gradient adds the
+            # tangent's and the adjoint's exchanges and the boundary states passed
+            # to a neighbour
+            item = 4
+            maps = n if exchange == "all_gather" else math.ceil(math.log2(n))
+            fwd_bytes = maps * 2 * S * item
+            grad_bytes = 3 * fwd_bytes + (2 * S * item if n > 1 else 0)
+            f, g, e = (
+                res[k] for k in ("sharded: forward", "sharded: grad", "exchange alone")
+            )
+            print(
+                f"{n:7d} {exchange:>10s} {f['median_ms']:10.1f} {g['median_ms']:9.1f} "
+                f"{e['median_ms']:11.3f} {fwd_bytes:14d} {grad_bytes:6d}",
+                flush=True,
+            )
+            out[f"{n} {exchange}"] = {
+                "forward": f,
+                "grad": g,
+                "exchange": e,
+                "bytes_forward": fwd_bytes,
+                "bytes_grad": grad_bytes,
+            }
         n *= 2
     return out
 
@@ -221,6 +240,11 @@ def main():
     parser.add_argument("--devices", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--json", help="default: results/<machine>/...json")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="a short sequence and one repeat, to check that it runs (no JSON)",
+    )
     args = parser.parse_args()
     info = machine()
     print(
@@ -229,6 +253,9 @@ def main():
     )
     print(allocator_line(info))
     if args.devices != 2:
+        if args.quick:
+            scaling(4096, 8, 1)
+            return
         payload = {"machine": info, "scaling": scaling(10**6, 64, args.repeats)}
         write_json(args.json or results_path("sequence_parallel_scaling"), payload)
         return

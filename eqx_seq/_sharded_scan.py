@@ -2,9 +2,11 @@
 devices of a mesh axis, inside `jax.shard_map`.
 
 Each device reduces its block to the affine map `h -> A h + H` of the whole block
-(`A` the product of its decays, `H` its last state from zero). The devices gather
-those `2 |S|` numbers, each folds the maps of the blocks before it into its initial
-state, and runs the inner backend on its block from there. The adjoint is the same
+(`A` the product of its decays, `H` its last state from zero, or from `h0` on the
+first device). The devices exchange those `2 |S|` numbers, either all of them by one
+`all_gather` or by a prefix scan of `ppermute`s, each composes the maps of the blocks
+before it into its initial state, and runs the inner backend on its block from
+there. The adjoint is the same
 recurrence backwards in time, so `eqx_seq.linear_recurrence`'s derivatives run this
 backend too; the one step that crosses a block boundary (`shift`) is passed between
 neighbours. See `docs/devdocs/sequence-parallel.md`.
@@ -17,7 +19,7 @@ import jax.lax as lax
 import jax.numpy as jnp
 from jaxtyping import Array, Inexact
 
-from ._scan import AbstractScan, AutoScan, check_scan, shift_local
+from ._scan import _compose, AbstractScan, AutoScan, check_scan, shift_local
 
 
 def _mesh_axis(axis_name: str) -> tuple[int, Array]:
@@ -35,17 +37,17 @@ def _mesh_axis(axis_name: str) -> tuple[int, Array]:
 
 
 def _block_map(
-    inner: AbstractScan, a: Array, b: Array, *, reverse: bool
+    inner: AbstractScan, a: Array, b: Array, h0: Array, *, reverse: bool
 ) -> tuple[Array, Array]:
     """The block's affine map `(A, H)`: the product of its decays and its last
-    state from zero (in run order). A sequential `inner` gets a loop that carries
+    state from `h0` (in run order). A sequential `inner` gets a loop that carries
     them and writes no state (it reads the block once, where a recurrence also
     writes it: the loop is memory-bound); a parallel one its own recurrence and a
     reduction, which keep its depth logarithmic."""
     num_steps = b.shape[0]
     varying = a.ndim == b.ndim
     if getattr(type(inner), "parallel", False):
-        states = inner.recurrence(a, b, reverse=reverse)
+        states = inner.recurrence(a, b, h0, reverse=reverse)
         prod = jnp.prod(a, axis=0) if varying else a**num_steps
         return prod, states[0] if reverse else states[-1]
 
@@ -58,16 +60,76 @@ def _block_map(
         a_t = lax.dynamic_index_in_dim(a, t, keepdims=False)
         return prod * a_t, a_t * h + b_t
 
-    h = jnp.zeros_like(b[0])
-    prod = a**num_steps if not varying else jnp.ones_like(h)
-    return lax.fori_loop(0, num_steps, step, (prod, h))
+    prod = a**num_steps if not varying else jnp.ones_like(h0)
+    return lax.fori_loop(0, num_steps, step, (prod, h0))
+
+
+def _before_by_gather(
+    block: tuple[Array, Array],
+    axis_name: str,
+    num_devices: int,
+    index: Array,
+    *,
+    reverse: bool,
+) -> tuple[Array, Array]:
+    """The composed map of the blocks before this one in run order, from one
+    `all_gather` of every block's map (`D` small steps, replicated)."""
+    maps = lax.all_gather(block, axis_name)
+    prefix = _identity(block)
+    for j in range(num_devices - 1, -1, -1) if reverse else range(num_devices):
+        before = (j > index) if reverse else (j < index)
+        composed = _compose(prefix, (maps[0][j], maps[1][j]))
+        prefix = _where(before, composed, prefix)
+    return prefix
+
+
+def _before_by_ppermute(
+    block: tuple[Array, Array],
+    axis_name: str,
+    num_devices: int,
+    index: Array,
+    *,
+    reverse: bool,
+) -> tuple[Array, Array]:
+    """The composed map of the blocks before this one in run order, by a
+    Hillis-Steele scan over the devices: in round `k` each device receives the map
+    that covers the `2^k` blocks ending `2^k` before it and composes it before its
+    own (and before the exclusive prefix that it keeps beside it)."""
+    covered, prefix = block, _identity(block)
+    distance = 1
+    while distance < num_devices:
+        senders = range(num_devices - distance)
+        if reverse:
+            pairs = [(i + distance, i) for i in senders]
+            receives = index < num_devices - distance
+        else:
+            pairs = [(i, i + distance) for i in senders]
+            receives = index >= distance
+        # devices that no one sends to receive zeros: they keep what they have
+        received = lax.ppermute(covered, axis_name, pairs)
+        prefix = _where(receives, _compose(received, prefix), prefix)
+        covered = _where(receives, _compose(received, covered), covered)
+        distance *= 2
+    return prefix
+
+
+_EXCHANGES = {"all_gather": _before_by_gather, "ppermute": _before_by_ppermute}
+
+
+def _identity(block: tuple[Array, Array]) -> tuple[Array, Array]:
+    return jnp.ones_like(block[0]), jnp.zeros_like(block[1])
+
+
+def _where(cond: Array, x: tuple[Array, Array], y: tuple[Array, Array]):
+    return tuple(jnp.where(cond, x_i, y_i) for x_i, y_i in zip(x, y))
 
 
 class ShardedScan(AbstractScan):
     """One long sequence split over devices: the time axis of every input is split
     over the mesh axis `axis_name` of an enclosing `jax.shard_map`, each device runs
-    `inner` on its block, and the devices exchange two numbers per state entry
-    (`parallel = False`: the sequential algorithms of the layers that choose).
+    `inner` on its block, and the devices exchange the affine maps of their blocks,
+    two numbers per state entry each (`parallel = False`: the sequential algorithms
+    of the layers that choose).
 
     Only the first device's `h0` is used (the last's with `reverse`), and the final
     state is the last device's last step. The blocks have equal lengths, as
@@ -79,12 +141,18 @@ class ShardedScan(AbstractScan):
     - `axis_name`: the mesh axis the time axis is split over.
     - `inner`: the backend of each device's block; [`eqx_seq.AutoScan`][] by
         default.
+    - `exchange`: how the maps cross devices. `"all_gather"` (the default): one
+        `all_gather`, after which each device holds all `D` maps and composes those
+        before it. `"ppermute"`: `ceil(log2 D)` rounds of `ppermute`, each passing
+        one composed map to the device `2^k` further on (a Hillis-Steele scan), so
+        that a device receives `ceil(log2 D)` maps instead of `D`.
     """
 
     parallel: ClassVar[bool] = False
     splits_time: ClassVar[bool] = True
     axis_name: str = eqx.field(static=True)
     inner: AbstractScan = AutoScan()
+    exchange: str = eqx.field(default="all_gather", static=True)
 
     def __check_init__(self):
         if not isinstance(self.axis_name, str) or not self.axis_name:
@@ -98,6 +166,11 @@ class ShardedScan(AbstractScan):
                 "be another ShardedScan."
             )
         check_scan(self.inner, name="eqx_seq.ShardedScan (inner)")
+        if self.exchange not in _EXCHANGES:
+            raise ValueError(
+                'eqx_seq.ShardedScan: `exchange` must be "all_gather" or "ppermute", '
+                f"got {self.exchange!r}."
+            )
 
     def recurrence(
         self,
@@ -109,15 +182,16 @@ class ShardedScan(AbstractScan):
     ) -> Inexact[Array, " T *S"]:
         num_devices, index = _mesh_axis(self.axis_name)
         inner = self.inner.select()
-        maps = lax.all_gather(_block_map(inner, a, b, reverse=reverse), self.axis_name)
-        order = range(num_devices - 1, -1, -1) if reverse else range(num_devices)
-        # the carry into this block: the maps of the blocks before it, in run order
-        carry = jnp.zeros_like(b[0])
+        # The first device in run order starts its block from `h0`, so its map
+        # carries `h0` to every later block; the others' start from zero.
+        first = num_devices - 1 if reverse else 0
+        start = jnp.zeros_like(b[0])
         if h0 is not None:
-            carry = carry + lax.all_gather(h0, self.axis_name)[order[0]]
-        for j in order:
-            before = (j > index) if reverse else (j < index)
-            carry = jnp.where(before, maps[0][j] * carry + maps[1][j], carry)
+            start = jnp.where(index == first, start + h0, start)
+        block = _block_map(inner, a, b, start, reverse=reverse)
+        exchange = _EXCHANGES[self.exchange]
+        before = exchange(block, self.axis_name, num_devices, index, reverse=reverse)
+        carry = before[0] * start + before[1]
         return inner.recurrence(a, b, carry, reverse=reverse)
 
     def shift(
