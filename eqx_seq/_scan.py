@@ -103,6 +103,25 @@ class AbstractScan(eqx.Module):
         """
         return shift_local(x, fill, reverse=reverse)
 
+    def sum_over_blocks(self, x: Inexact[Array, "..."]) -> Inexact[Array, "..."]:
+        """A sum over this block's steps made the sum over the whole sequence, the
+        same on every device: what pooling over time and sums of per-step terms
+        read.
+
+        The base returns `x` (the whole sequence is one block). A backend that
+        splits time over devices ([`eqx_seq.ShardedScan`][]) overrides it to sum
+        `x` over them.
+
+        **Arguments:**
+
+        - `x`: a sum over this block's steps, any shape.
+
+        **Returns:**
+
+        The sum over every block, shaped like `x`.
+        """
+        return x
+
     def associative_scan(
         self, fn: Callable, elems: PyTree[Array], *, reverse: bool = False
     ) -> PyTree[Array]:
@@ -332,8 +351,9 @@ class AutoScan(AbstractScan):
 # error that refuses it elsewhere.
 _SPLITS_TIME_USERS = (
     "`eqx_seq.linear_recurrence`, `eqx_seq.recurrence_jacobians`, `eqx_seq.S5`, "
-    "`eqx_seq.LRU` and `eqx_seq.RGLRU` (their calls and `final_state`), and "
-    "`eqx_seq.S5Block` and `eqx_seq.LanguageModel` around S5 or LRU layers"
+    "`eqx_seq.LRU` and `eqx_seq.RGLRU` (their calls and `final_state`, and S5's "
+    "and LRU's `parameter_jacobians`), and `eqx_seq.S5Block`, "
+    "`eqx_seq.LanguageModel` and `eqx_seq.SequenceClassifier` around S5 or LRU layers"
 )
 
 

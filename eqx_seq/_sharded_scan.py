@@ -212,3 +212,7 @@ class ShardedScan(AbstractScan):
         fill = jnp.broadcast_to(fill, edge.shape)
         boundary = jnp.where(index == first, fill, received)
         return shift_local(x, boundary, reverse=reverse)
+
+    def sum_over_blocks(self, x: Inexact[Array, "..."]) -> Inexact[Array, "..."]:
+        _mesh_axis(self.axis_name)  # the clear error outside `jax.shard_map`
+        return lax.psum(x, self.axis_name)

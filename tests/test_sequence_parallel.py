@@ -218,14 +218,10 @@ def test_bad_input():
         lambda: eqx_seq.KalmanFilter(2, 1, scan=scan, key=jr.key(0)),
         lambda: eqx_seq.Mamba(4, scan=scan, key=jr.key(0)),
         lambda: eqx_seq.HawkBlock(4, scan=scan, key=jr.key(0)),
-        lambda: eqx_seq.SequenceClassifier(2, 3, scan=scan, key=jr.key(0)),
         lambda: eqx_seq.tridiagonal_solve(b, b, b, b, scan=scan),
     ):
         with pytest.raises(ValueError, match="does not run on a time axis split"):
             build()
-    layer = eqx_seq.S5(3, 4, scan=scan, key=jr.key(0))
-    with pytest.raises(ValueError, match="parameter_jacobians does not run"):
-        layer.parameter_jacobians(jnp.ones((8, 3)))
     # an uneven split is shard_map's error
     uneven = _sharded(
         lambda b: eqx_seq.linear_recurrence(0.5, b, scan=scan), (P("seq"),)

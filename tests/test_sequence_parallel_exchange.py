@@ -167,3 +167,88 @@ def test_many_devices():
     )
     assert out.returncode == 0, out.stderr[-3000:]
     assert "max abs difference" in out.stdout
+
+
+@pytest.mark.parametrize("pooling", ["mean", "last"])
+def test_classifier(pooling):
+    """`SequenceClassifier` on one sequence split over the devices: every device
+    returns the whole sequence's logits, and they and the parameters' gradients
+    equal one device's; without a mask, and with masks whose last valid step is
+    on the last device or the first (the last device then has none)."""
+    make = lambda scan, mixer: eqx_seq.SequenceClassifier(
+        3,
+        4,
+        width=8,
+        depth=2,
+        state_size=4,
+        mixer=mixer,
+        pooling=pooling,
+        scan=scan,
+        key=jr.key(10),
+    )
+    T = 20
+    x = jr.normal(jr.key(11), (T, 3))
+    w = jr.normal(jr.key(12), (4,))
+    for mixer, valid in (("s5", None), ("s5", 14), ("lru", 7)):
+        one = make(eqx_seq.SequentialScan(), mixer)
+        split_model = make(eqx_seq.ShardedScan("seq", exchange="ppermute"), mixer)
+        mask = jnp.ones(T, bool) if valid is None else jnp.arange(T) < valid
+        params, static = eqx.partition(split_model, eqx.is_inexact_array)
+
+        def run(p, x, mask, valid=valid, static=static):
+            model = eqx.combine(p, static)
+            return model(x, mask=None if valid is None else mask)
+
+        # each device's logits (a row each), and the logits as replicated
+        per_device, split = (
+            jax.shard_map(
+                f, mesh=_mesh(), in_specs=(P(), P("seq"), P("seq")), out_specs=spec
+            )
+            for f, spec in (
+                (lambda *args: run(*args)[None], P("seq")),
+                (run, P()),
+            )
+        )
+        expected = one(x, mask=None if valid is None else mask)
+        logits = jax.jit(per_device)(params, x, mask)
+        _assert_close(logits, jnp.stack([expected, expected]), rtol=1e-9)
+        loss = lambda p: jnp.sum(split(p, x, mask) * w)
+        p_one, s_one = eqx.partition(one, eqx.is_inexact_array)
+        loss_one = lambda p: jnp.sum(
+            eqx.combine(p, s_one)(x, mask=None if valid is None else mask) * w
+        )
+        g_split = jax.jit(jax.grad(loss))(params)
+        _assert_close(g_split, jax.jit(jax.grad(loss_one))(p_one), rtol=1e-9)
+
+
+@pytest.mark.parametrize(
+    "kind,with_dt", [("s5", False), ("s5", True), ("lru", False)], ids=str
+)
+def test_parameter_jacobians(kind, with_dt):
+    """S5/LRU `parameter_jacobians` on one sequence split over the devices, with
+    `h0`: every step's Jacobians equal one device's, and with `final=True` the last
+    device's equal one device's (`wrt_B`, summed over time, on every device)."""
+    T, H = 16, 3
+    make = eqx_seq.S5 if kind == "s5" else eqx_seq.LRU
+    one = make(H, 4, scan=eqx_seq.SequentialScan(), key=jr.key(13))
+    split_layer = make(H, 4, scan=eqx_seq.ShardedScan("seq"), key=jr.key(13))
+    k = jr.split(jr.key(14), 3)
+    u = jr.normal(k[0], (T, H))
+    dt = jr.uniform(k[1], (T,), minval=0.5, maxval=2) if with_dt else None
+    h0 = jax.lax.complex(*jr.normal(k[2], (2, one.num_states)))
+    dt_spec = P("seq") if with_dt else None
+    jac = _sharded(
+        lambda u, dt, h0: split_layer.parameter_jacobians(u, dt=dt, h0=h0),
+        (P("seq"), dt_spec, P()),
+    )(u, dt, h0)
+    _assert_close(jac, one.parameter_jacobians(u, dt=dt, h0=h0))
+    finals = _sharded(
+        lambda u, dt, h0: jax.tree.map(
+            lambda x: x[None],
+            split_layer.parameter_jacobians(u, dt=dt, h0=h0, final=True),
+        ),
+        (P("seq"), dt_spec, P()),
+    )(u, dt, h0)
+    expected = one.parameter_jacobians(u, dt=dt, h0=h0, final=True)
+    _assert_close(jax.tree.map(lambda x: x[-1], finals), expected)
+    _assert_close(finals.wrt_B[0], expected.wrt_B)

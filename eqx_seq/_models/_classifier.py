@@ -9,6 +9,7 @@ import jax.random as jr
 from jaxtyping import Array, ArrayLike, Bool, Float, PRNGKeyArray, Real
 
 from .._misc import check_positive_int, error_if_any
+from .._recurrence import linear_recurrence
 from .._scan import AbstractScan, AutoScan, check_scan
 from ._blocks import Block, make_blocks, Mixer, run_blocks
 
@@ -39,6 +40,7 @@ class SequenceClassifier(eqx.Module):
     blocks: tuple[Block, ...]
     head: eqx.nn.Linear
     pooling: str = eqx.field(static=True)
+    scan: AbstractScan
 
     def __init__(
         self,
@@ -75,7 +77,10 @@ class SequenceClassifier(eqx.Module):
         - `pooling`: `"mean"` over (valid) steps or the `"last"` (valid) step.
         - `activation`, `norm`, `prenorm`, `dropout`: for every
             [`eqx_seq.S5Block`][].
-        - `scan`: the recurrence backend of every layer.
+        - `scan`: the recurrence backend of every layer. With
+            [`eqx_seq.ShardedScan`][] (S5 or LRU mixers), the sequence's time axis
+            is split over devices inside `jax.shard_map`: the pooling sums over
+            them, and every device returns the logits of the whole sequence.
         - `dtype`: the parameter dtype.
         - `key`: a `jax.random` key. (Keyword only.)
         """
@@ -84,8 +89,8 @@ class SequenceClassifier(eqx.Module):
         check_positive_int("width", width)
         if pooling not in ("mean", "last"):
             raise ValueError(f'`pooling` must be "mean" or "last", got {pooling!r}.')
-        # pooling reads the whole sequence: no time split over devices
-        check_scan(scan, name="eqx_seq.SequenceClassifier")
+        # a time split over devices pools through `scan.sum_over_blocks`
+        check_scan(scan, name="eqx_seq.SequenceClassifier", splits_time=True)
         ekey, bkey, hkey = jr.split(key, 3)
         self.encoder = eqx.nn.Linear(in_features, width, dtype=dtype, key=ekey)
         self.blocks = make_blocks(
@@ -105,6 +110,7 @@ class SequenceClassifier(eqx.Module):
         )
         self.head = eqx.nn.Linear(width, num_classes, dtype=dtype, key=hkey)
         self.pooling = pooling
+        self.scan = scan
 
     @jax.named_scope("eqx_seq.SequenceClassifier")
     def __call__(
@@ -136,6 +142,7 @@ class SequenceClassifier(eqx.Module):
                 "`jax.vmap` for a batch."
             )
         x = x.astype(self.encoder.weight.dtype)  # computed in the parameters' dtype
+        scan = self.scan.select()
         if mask is not None:
             mask = jnp.asarray(mask)
             if mask.shape != (x.shape[0],) or mask.dtype != jnp.bool_:
@@ -145,7 +152,7 @@ class SequenceClassifier(eqx.Module):
                 )
             x = error_if_any(
                 x,
-                ~jnp.any(mask),
+                scan.sum_over_blocks(jnp.sum(mask)) == 0,
                 "eqx_seq.SequenceClassifier: the `mask` has no valid step, so there "
                 "is nothing to pool.",
             )
@@ -153,11 +160,17 @@ class SequenceClassifier(eqx.Module):
             # reaches the logits or the gradients
             x = jnp.where(mask[:, None], x, jnp.zeros((), x.dtype))
         z = run_blocks(self.blocks, jax.vmap(self.encoder)(x), key)
-        if mask is None:
-            pooled = z[-1] if self.pooling == "last" else jnp.mean(z, axis=0)
-        elif self.pooling == "last":
-            pooled = z[jnp.max(jnp.where(mask, jnp.arange(x.shape[0]), 0))]
-        else:
-            valid = jnp.where(mask[:, None], z, jnp.zeros((), z.dtype))
-            pooled = jnp.sum(valid, axis=0) / jnp.sum(mask).astype(z.dtype)
+        valid = jnp.ones(z.shape[0], jnp.bool_) if mask is None else mask
+        if self.pooling == "last":
+            # the valid step with no valid step after it, in the whole sequence:
+            # counted by a recurrence, which crosses devices as the layers' do
+            count = valid.astype(z.dtype)
+            count = linear_recurrence(
+                jnp.ones((), z.dtype), count, scan=scan, reverse=True
+            )
+            valid = valid & (count < 1.5)
+        total = jnp.sum(jnp.where(valid[:, None], z, jnp.zeros((), z.dtype)), axis=0)
+        pooled = scan.sum_over_blocks(total) / scan.sum_over_blocks(
+            jnp.sum(valid).astype(z.dtype)
+        )
         return self.head(pooled)

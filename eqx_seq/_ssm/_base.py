@@ -321,21 +321,29 @@ class AbstractDiagonalSSM(eqx.Module):
         tangent recurrence per per-state parameter (all in one call; the derivatives
         of the discretisation come from `jax.jvp` of the elementwise formulas), and
         for `B` one recurrence over `(T, P, H)` for all steps, or, with
-        `final=True`, one matmul (plus a reverse recurrence for irregular steps).
+        `final=True`, one reverse recurrence and one matmul.
+
+        With [`eqx_seq.ShardedScan`][] (inside `jax.shard_map`, time split over
+        devices) each device returns its block's steps, as for `__call__`.
 
         **Arguments:**
 
         - `u`, `dt`, `h0`: as for `__call__` (causal layers only).
         - `final`: if `True`, only the Jacobians of the last state $h_{T-1}$ (no
-            time axis in the results).
+            time axis in the results). With `ShardedScan`, those of the last
+            device are the whole sequence's (`wrt_B` is on every device).
 
         **Returns:**
 
         An [`eqx_seq.SSMJacobians`][].
         """
-        # the Jacobians read the previous state and sum over the steps within a
-        # block: no time split over devices
-        check_scan(self.scan, name=f"eqx_seq.{type(self).__name__}.parameter_jacobians")
+        # split over devices, the previous state and the step after cross a block
+        # boundary through `scan.shift`, and the sums over time add the blocks'
+        scan = check_scan(
+            self.scan,
+            name=f"eqx_seq.{type(self).__name__}.parameter_jacobians",
+            splits_time=True,
+        )
         u, dt, h0 = self._check_inputs(u, dt, h0, streaming=True)
         u = u.astype(self._real_dtype(u))
         cdtype = complex_dtype(u.dtype)
@@ -359,8 +367,8 @@ class AbstractDiagonalSSM(eqx.Module):
         )  # d_decay, d_gain: (F, P) or (F, T, P)
         g = self._drive(u)  # B u_t, (T, P)
 
-        def recurrence(a, b, h0=None):
-            return linear_recurrence(a, b, h0, scan=self.scan)
+        def recurrence(a, b, h0=None, reverse=False):
+            return linear_recurrence(a, b, h0, scan=scan, reverse=reverse)
 
         # p_t = dh_t/dh0 = prod_{s <= t} decay_s
         p = recurrence(decay, jnp.zeros_like(g), jnp.ones_like(h0))
@@ -371,7 +379,7 @@ class AbstractDiagonalSSM(eqx.Module):
             # s_t = decay * s_{t-1} + h_{t-1}: three recurrences in all.
             x = recurrence(decay, g)
             h = gain[None] * x + p * h0[None]
-            s = recurrence(decay, jnp.concatenate([h0[None], h[:-1]]))
+            s = recurrence(decay, scan.shift(h, h0))
             wrt = {
                 name: s * d_decay[i][None] + x * d_gain[i][None]
                 for i, name in enumerate(fields)
@@ -380,23 +388,22 @@ class AbstractDiagonalSSM(eqx.Module):
             # Time-varying: one tangent recurrence per parameter, all in one call,
             # s_t = decay_t s_{t-1} + d_decay_t h_{t-1} + d_gain_t (B u_t).
             h = recurrence(decay, gain * g, h0)
-            previous = jnp.concatenate([h0[None], h[:-1]])
+            previous = scan.shift(h, h0)
             rhs = d_decay * previous[None] + d_gain * g[None]  # (F, T, P)
             sensitivities = recurrence(decay[:, None], jnp.moveaxis(rhs, 0, 1))
             wrt = {name: sensitivities[:, i] for i, name in enumerate(fields)}
         gain = jnp.broadcast_to(gain, h.shape)
         if final:
-            # dh_{T-1}/d(B u)_t = gain_t w_t, w_t = prod_{s > t} decay_s. For a
-            # time-invariant decay that is p_{T-2-t} = decay^(T-1-t), reversed;
-            # otherwise one reverse recurrence.
-            if decay.ndim == 1:
-                w = jnp.concatenate([jnp.flip(p[:-1], 0), jnp.ones_like(p[:1])])
-            else:
-                after = jnp.concatenate([decay[1:], jnp.ones_like(decay[:1])])
-                last = jnp.zeros_like(h).at[-1].set(1)
-                w = linear_recurrence(after, last, scan=self.scan, reverse=True)
+            # dh_{T-1}/d(B u)_t = gain_t w_t, w_t = prod_{s > t} decay_s: one
+            # reverse recurrence from the last step of the whole sequence (not
+            # `p` reversed, which would read another device's block).
+            one = jnp.ones((), decay.dtype)
+            after = decay if decay.ndim == 1 else scan.shift(decay, one, reverse=True)
+            last = scan.shift(jnp.zeros_like(h), one, reverse=True)
+            w = recurrence(after, last, reverse=True)
             wg = w * gain  # (T, P) complex; u is real: one real matmul
             re_im = jnp.concatenate([wg.real, wg.imag], axis=1).T @ u
+            re_im = scan.sum_over_blocks(re_im)
             num = self.num_states
             return SSMJacobians(
                 states=h[-1],
