@@ -243,7 +243,8 @@ def main():
     parser.add_argument(
         "--quick",
         action="store_true",
-        help="a short sequence and one repeat, to check that it runs (no JSON)",
+        help="with --devices 8: a short sequence and one repeat, to check that it "
+        "runs (JSON only to --json)",
     )
     args = parser.parse_args()
     info = machine()
@@ -253,8 +254,10 @@ def main():
     )
     print(allocator_line(info))
     if args.devices != 2:
-        if args.quick:
-            scaling(4096, 8, 1)
+        if args.quick:  # recorded results are not overwritten
+            payload = {"machine": info, "scaling": scaling(4096, 8, 1)}
+            if args.json:
+                write_json(args.json, payload)
             return
         payload = {"machine": info, "scaling": scaling(10**6, 64, args.repeats)}
         write_json(args.json or results_path("sequence_parallel_scaling"), payload)

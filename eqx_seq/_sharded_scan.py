@@ -64,6 +64,14 @@ def _block_map(
     return lax.fori_loop(0, num_steps, step, (prod, h0))
 
 
+def _identity(block: tuple[Array, Array]) -> tuple[Array, Array]:
+    return jnp.ones_like(block[0]), jnp.zeros_like(block[1])
+
+
+def _where(cond: Array, x: tuple[Array, Array], y: tuple[Array, Array]):
+    return tuple(jnp.where(cond, x_i, y_i) for x_i, y_i in zip(x, y))
+
+
 def _before_by_gather(
     block: tuple[Array, Array],
     axis_name: str,
@@ -95,7 +103,9 @@ def _before_by_ppermute(
     Hillis-Steele scan over the devices: in round `k` each device receives the map
     that covers the `2^k` blocks ending `2^k` before it and composes it before its
     own (and before the exclusive prefix that it keeps beside it)."""
-    covered, prefix = block, _identity(block)
+    # `A` and `H` travel as one array: one message per round, the rounds being a
+    # chain of dependent messages
+    covered, prefix = jnp.stack(jnp.broadcast_arrays(*block)), _identity(block)
     distance = 1
     while distance < num_devices:
         senders = range(num_devices - distance)
@@ -106,22 +116,15 @@ def _before_by_ppermute(
             pairs = [(i, i + distance) for i in senders]
             receives = index >= distance
         # devices that no one sends to receive zeros: they keep what they have
-        received = lax.ppermute(covered, axis_name, pairs)
+        received = tuple(lax.ppermute(covered, axis_name, pairs))
         prefix = _where(receives, _compose(received, prefix), prefix)
-        covered = _where(receives, _compose(received, covered), covered)
+        composed = jnp.stack(_compose(received, tuple(covered)))
+        covered = jnp.where(receives, composed, covered)
         distance *= 2
     return prefix
 
 
 _EXCHANGES = {"all_gather": _before_by_gather, "ppermute": _before_by_ppermute}
-
-
-def _identity(block: tuple[Array, Array]) -> tuple[Array, Array]:
-    return jnp.ones_like(block[0]), jnp.zeros_like(block[1])
-
-
-def _where(cond: Array, x: tuple[Array, Array], y: tuple[Array, Array]):
-    return tuple(jnp.where(cond, x_i, y_i) for x_i, y_i in zip(x, y))
 
 
 class ShardedScan(AbstractScan):
