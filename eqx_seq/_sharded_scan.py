@@ -7,7 +7,9 @@ those `2 |S|` numbers, each folds the maps of the blocks before it into its init
 state, and runs the inner backend on its block from there. The adjoint is the same
 recurrence backwards in time, so `eqx_seq.linear_recurrence`'s derivatives run this
 backend too; the one step that crosses a block boundary (`shift`) is passed between
-neighbours. See `docs/devdocs/sequence-parallel.md`.
+neighbours, as are the steps a causal convolution reads before a block (`halo`).
+The selective scan folds its blocks' maps with the same `carry_into_block`. See
+`docs/devdocs/sequence-parallel.md`.
 """
 
 from typing import ClassVar
@@ -17,7 +19,14 @@ import jax.lax as lax
 import jax.numpy as jnp
 from jaxtyping import Array, Inexact
 
-from ._scan import AbstractScan, AutoScan, check_scan, shift_local
+from ._scan import (
+    AbstractScan,
+    AutoScan,
+    check_halo_width,
+    check_scan,
+    fill_halo,
+    shift_local,
+)
 
 
 def _mesh_axis(axis_name: str) -> tuple[int, Array]:
@@ -61,6 +70,34 @@ def _block_map(
     h = jnp.zeros_like(b[0])
     prod = a**num_steps if not varying else jnp.ones_like(h)
     return lax.fori_loop(0, num_steps, step, (prod, h))
+
+
+def carry_into_block(
+    axis_name: str,
+    block_map: tuple[Inexact[Array, "*S"], Inexact[Array, "*S"]],
+    h0: Inexact[Array, "*S"] | None,
+    *,
+    reverse: bool = False,
+) -> Inexact[Array, "*S"]:
+    """The state entering this device's block, from every block's affine map.
+
+    Gathers the maps `(A, H)` of all the blocks over `axis_name` (`A` the product
+    of the block's decays, `H` its last state from zero, in run order) and folds
+    those of the blocks before this one into `h0`, the first block's (in run
+    order) initial state (zeros if `None`). The recurrences with a time axis split
+    over devices share it: the diagonal one of `ShardedScan.recurrence` and the
+    selective scan's.
+    """
+    num_devices, index = _mesh_axis(axis_name)
+    maps = lax.all_gather(block_map, axis_name)
+    order = range(num_devices - 1, -1, -1) if reverse else range(num_devices)
+    carry = jnp.zeros_like(block_map[1])
+    if h0 is not None:
+        carry = carry + lax.all_gather(h0, axis_name)[order[0]]
+    for j in order:
+        before = (j > index) if reverse else (j < index)
+        carry = jnp.where(before, maps[0][j] * carry + maps[1][j], carry)
+    return carry
 
 
 class ShardedScan(AbstractScan):
@@ -107,17 +144,10 @@ class ShardedScan(AbstractScan):
         *,
         reverse: bool = False,
     ) -> Inexact[Array, " T *S"]:
-        num_devices, index = _mesh_axis(self.axis_name)
+        _mesh_axis(self.axis_name)
         inner = self.inner.select()
-        maps = lax.all_gather(_block_map(inner, a, b, reverse=reverse), self.axis_name)
-        order = range(num_devices - 1, -1, -1) if reverse else range(num_devices)
-        # the carry into this block: the maps of the blocks before it, in run order
-        carry = jnp.zeros_like(b[0])
-        if h0 is not None:
-            carry = carry + lax.all_gather(h0, self.axis_name)[order[0]]
-        for j in order:
-            before = (j > index) if reverse else (j < index)
-            carry = jnp.where(before, maps[0][j] * carry + maps[1][j], carry)
+        block_map = _block_map(inner, a, b, reverse=reverse)
+        carry = carry_into_block(self.axis_name, block_map, h0, reverse=reverse)
         return inner.recurrence(a, b, carry, reverse=reverse)
 
     def shift(
@@ -138,3 +168,34 @@ class ShardedScan(AbstractScan):
         fill = jnp.broadcast_to(fill, edge.shape)
         boundary = jnp.where(index == first, fill, received)
         return shift_local(x, boundary, reverse=reverse)
+
+    def halo(
+        self,
+        x: Inexact[Array, " T *C"],
+        width: int,
+        fill: Inexact[Array, " W *C"] | None = None,
+        *,
+        reverse: bool = False,
+    ) -> Inexact[Array, " W *C"]:
+        check_halo_width(width)
+        num_devices, index = _mesh_axis(self.axis_name)
+        num_steps = x.shape[0]
+        if num_steps < width:
+            raise ValueError(
+                f"eqx_seq.ShardedScan({self.axis_name!r}): a block of {num_steps} "
+                f"steps is shorter than the {width} steps that a convolution reads "
+                "before it (a causal convolution of K taps reads the K - 1 steps "
+                "before each block, and only the device before holds them); use "
+                "fewer devices, a longer sequence or a shorter convolution."
+            )
+        fill = fill_halo(x, width, fill)
+        if width == 0:
+            return fill
+        # the steps next to each boundary come from the block before it in run order
+        steps = range(num_devices - 1)
+        if reverse:
+            edge, pairs, first = x[:width], [(i + 1, i) for i in steps], num_devices - 1
+        else:
+            edge, pairs, first = x[-width:], [(i, i + 1) for i in steps], 0
+        received = lax.ppermute(edge, self.axis_name, pairs)
+        return jnp.where(index == first, fill, received)

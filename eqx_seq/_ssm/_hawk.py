@@ -95,8 +95,7 @@ class HawkBlock(eqx.Module):
         check_positive_int("conv_size", conv_size)
         check_positive_int("mlp_expansion", mlp_expansion)
         dtype = check_parameter_dtype("HawkBlock", dtype)
-        # its convolution crosses block boundaries: no time split over devices
-        check_scan(scan, name="eqx_seq.HawkBlock")
+        check_scan(scan, name="eqx_seq.HawkBlock", splits_time=True)
         keys = jr.split(key, 8)
         hidden = mlp_expansion * width
         self.rglru = RGLRU(
@@ -157,6 +156,8 @@ class HawkBlock(eqx.Module):
         )
         block, x = self._in_dtype(x)
         gate, v = block._branches(x)
+        # on a time axis split over devices, the inputs before this block
+        conv_state = block.conv.block_state(v, conv_state, reset, block.rglru.scan)
         u = block.conv(v, conv_state, reset)
         conv_final = block.conv.final_state(v, conv_state, reset)
         h = block.rglru(u, reset=reset, h0=lru_state)

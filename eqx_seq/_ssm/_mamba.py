@@ -121,7 +121,7 @@ class Mamba(eqx.Module):
             raise ValueError(
                 f"Need dt_min < dt_max, got dt_min={dt_min}, dt_max={dt_max}."
             )
-        check_scan(scan, name="eqx_seq.Mamba")
+        check_scan(scan, name="eqx_seq.Mamba", splits_time=True)
         dtype = check_parameter_dtype("Mamba", dtype)
         E = expand * input_size
         ikey, ckey, xkey, dkey, bkey, okey = jr.split(key, 6)
@@ -199,6 +199,8 @@ class Mamba(eqx.Module):
         vz = x @ self.in_proj.astype(dtype).T
         v, z = vz[:, : self.channels], vz[:, self.channels :]
         conv_state, ssm_state = (None, None) if h0 is None else h0
+        # on a time axis split over devices, the inputs before this block
+        conv_state = self.conv.block_state(v, conv_state, reset, self.scan)
         u = jax.nn.silu(self.conv(v, conv_state, reset))
         delta, B, C = self._mix(u)
         y, h = selective_scan(
