@@ -109,7 +109,9 @@ class ShardedScan(AbstractScan):
     Only the first device's `h0` is used (the last's with `reverse`), and the final
     state is the last device's last step. The blocks have equal lengths, as
     `jax.shard_map` splits them; pad a sequence to a multiple of the device count.
-    See [Several devices](../usage/several-devices.md).
+    The selective layers' causal convolutions of `K` taps read the `K - 1` steps
+    before each block from the device before (`halo`), so their blocks must be at
+    least that long. See [Several devices](../usage/several-devices.md).
 
     **Arguments:**
 
@@ -144,7 +146,7 @@ class ShardedScan(AbstractScan):
         *,
         reverse: bool = False,
     ) -> Inexact[Array, " T *S"]:
-        _mesh_axis(self.axis_name)
+        _mesh_axis(self.axis_name)  # its clear error before any work
         inner = self.inner.select()
         block_map = _block_map(inner, a, b, reverse=reverse)
         carry = carry_into_block(self.axis_name, block_map, h0, reverse=reverse)

@@ -84,7 +84,10 @@ class HawkBlock(eqx.Module):
             `lru_width`.
         - `conv_size`: the number of taps of the causal convolution.
         - `mlp_expansion`: the MLP's hidden size is `mlp_expansion * width`.
-        - `scan`: the RG-LRU's recurrence backend, an [`eqx_seq.AbstractScan`][].
+        - `scan`: the RG-LRU's recurrence backend, an [`eqx_seq.AbstractScan`][];
+            with [`eqx_seq.ShardedScan`][] the convolution also reads the
+            `conv_size - 1` inputs before each device's block from the device
+            before.
         - `dtype`: the parameter dtype, float32 or float64 (default: JAX's default
             float). Half-precision inputs are computed in this dtype.
         - `key`: a `jax.random` key for the initialisation. (Keyword only.)

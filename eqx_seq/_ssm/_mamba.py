@@ -99,7 +99,10 @@ class Mamba(eqx.Module):
             (through `b_Δ`; `0 < dt_min < dt_max`).
         - `chunk_size`: [`eqx_seq.selective_scan`][]'s steps between stored
             states.
-        - `scan`: the recurrence backend, an [`eqx_seq.AbstractScan`][].
+        - `scan`: the recurrence backend, an [`eqx_seq.AbstractScan`][]; with
+            [`eqx_seq.ShardedScan`][] the convolution also reads the
+            `conv_size - 1` inputs before each device's block from the device
+            before.
         - `dtype`: the parameter dtype, float32 or float64 (default: JAX's default
             float). Half-precision inputs are computed in this dtype.
         - `key`: a `jax.random` key for the initialisation. (Keyword only.)

@@ -124,6 +124,13 @@ def selective_scan(
     its `recurrence`. Differentiable in reverse mode (`jax.grad`, `jax.vjp`) with
     respect to every array argument; forward mode (`jax.jvp`) is not defined.
 
+    With [`eqx_seq.ShardedScan`][] (inside `jax.shard_map`, the time axis split
+    over devices), each device runs its inner backend's algorithm on its block
+    twice: from zero, for the block's map (its last state, and the product of its
+    decays `exp(A sum(delta))`), then from the state folded from the maps of the
+    blocks before it. Only the first device's `h0` is used, and the last
+    device's `h_last` is the whole sequence's.
+
     **Arguments:**
 
     - `u`: the input, shape `(T, D)`.
