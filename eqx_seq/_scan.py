@@ -122,6 +122,41 @@ class AbstractScan(eqx.Module):
         """
         return x
 
+    def halo(
+        self,
+        x: Inexact[Array, " T *C"],
+        width: int,
+        fill: Inexact[Array, " W *C"] | None = None,
+        *,
+        reverse: bool = False,
+    ) -> Inexact[Array, " W *C"]:
+        """The `width` steps of the sequence just before this block of it: what a
+        causal convolution of `width + 1` taps reads before the block's first step.
+
+        One device holds the whole sequence, so nothing precedes it and the base
+        returns `fill`. A backend that splits time over devices
+        ([`eqx_seq.ShardedScan`][]) returns the last `width` steps of `x` on the
+        device before (and `fill` on the first device), so a layer stays the same
+        whichever backend it runs.
+
+        **Arguments:**
+
+        - `x`: this block, shape `(T, *C)`; on a split time axis, the neighbour
+            reads its last `width` steps, so they must be what continues into the
+            next block (zeroed where that should not cross).
+        - `width`: the number of steps, `>= 0`.
+        - `fill`: what precedes the sequence's start, shape `(width, *C)` (cast to
+            the dtype of `x`); zeros if `None`.
+        - `reverse`: the `width` steps just after the block instead (the first ones
+            of the next device, `fill` on the last), for an anticausal
+            convolution.
+
+        **Returns:**
+
+        Shape `(width, *C)`, in time order.
+        """
+        return fill_halo(x, width, fill)
+
     def associative_scan(
         self, fn: Callable, elems: PyTree[Array], *, reverse: bool = False
     ) -> PyTree[Array]:
@@ -229,6 +264,20 @@ def _in_place(a: Array, b: Array, init: Array, reverse: bool) -> Array:
 @_in_place.defjvp
 def _in_place_jvp(reverse, primals, tangents):
     return jax.jvp(lambda *p: _stacked(*p, reverse, 1), primals, tangents)
+
+
+def fill_halo(x: Array, width: int, fill: Array | None) -> Array:
+    """`fill` (zeros if `None`) as the `width` steps around a block `x`."""
+    check_halo_width(width)
+    shape = (width, *x.shape[1:])
+    if fill is None:
+        return zeros_like_inputs(shape, x.dtype, x)
+    return jnp.broadcast_to(jnp.asarray(fill).astype(x.dtype), shape)
+
+
+def check_halo_width(width: object) -> None:
+    if isinstance(width, bool) or not isinstance(width, int) or width < 0:
+        raise ValueError(f"`halo`: `width` must be an int >= 0, got {width!r}.")
 
 
 def shift_local(x: Array, fill: Array, *, reverse: bool) -> Array:
@@ -352,8 +401,9 @@ class AutoScan(AbstractScan):
 _SPLITS_TIME_USERS = (
     "`eqx_seq.linear_recurrence`, `eqx_seq.recurrence_jacobians`, `eqx_seq.S5`, "
     "`eqx_seq.LRU` and `eqx_seq.RGLRU` (their calls and `final_state`, and S5's "
-    "and LRU's `parameter_jacobians`), and `eqx_seq.S5Block`, "
-    "`eqx_seq.LanguageModel` and `eqx_seq.SequenceClassifier` around S5 or LRU layers"
+    "and LRU's `parameter_jacobians`), `eqx_seq.selective_scan`, `eqx_seq.Mamba`, "
+    "`eqx_seq.MambaBlock`, `eqx_seq.HawkBlock`, and `eqx_seq.S5Block`, "
+    "`eqx_seq.LanguageModel` and `eqx_seq.SequenceClassifier` around them"
 )
 
 

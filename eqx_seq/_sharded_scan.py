@@ -6,10 +6,12 @@ Each device reduces its block to the affine map `h -> A h + H` of the whole bloc
 first device). The devices exchange those `2 |S|` numbers, either all of them by one
 `all_gather` or by a prefix scan of `ppermute`s, each composes the maps of the blocks
 before it into its initial state, and runs the inner backend on its block from
-there. The adjoint is the same
-recurrence backwards in time, so `eqx_seq.linear_recurrence`'s derivatives run this
-backend too; the one step that crosses a block boundary (`shift`) is passed between
-neighbours. See `docs/devdocs/sequence-parallel.md`.
+there. The adjoint is the same recurrence backwards in time, so
+`eqx_seq.linear_recurrence`'s derivatives run this backend too; the one step that
+crosses a block boundary (`shift`) is passed between neighbours, as are the steps a
+causal convolution reads before a block (`halo`). The selective scan exchanges its
+blocks' maps with the same `_carry_into_block`. See
+`docs/devdocs/sequence-parallel.md`.
 """
 
 from typing import ClassVar
@@ -19,7 +21,15 @@ import jax.lax as lax
 import jax.numpy as jnp
 from jaxtyping import Array, Inexact
 
-from ._scan import _compose, AbstractScan, AutoScan, check_scan, shift_local
+from ._scan import (
+    _compose,
+    AbstractScan,
+    AutoScan,
+    check_halo_width,
+    check_scan,
+    fill_halo,
+    shift_local,
+)
 
 
 def _mesh_axis(axis_name: str) -> tuple[int, Array]:
@@ -137,7 +147,9 @@ class ShardedScan(AbstractScan):
     Only the first device's `h0` is used (the last's with `reverse`), and the final
     state is the last device's last step. The blocks have equal lengths, as
     `jax.shard_map` splits them; pad a sequence to a multiple of the device count.
-    See [Several devices](../usage/several-devices.md).
+    The selective layers' causal convolutions of `K` taps read the `K - 1` steps
+    before each block from the device before (`halo`), so their blocks must be at
+    least that long. See [Several devices](../usage/several-devices.md).
 
     **Arguments:**
 
@@ -183,19 +195,44 @@ class ShardedScan(AbstractScan):
         *,
         reverse: bool = False,
     ) -> Inexact[Array, " T *S"]:
-        num_devices, index = _mesh_axis(self.axis_name)
+        _mesh_axis(self.axis_name)  # its clear error before any work
         inner = self.inner.select()
-        # The first device in run order starts its block from `h0`, so its map
-        # carries `h0` to every later block; the others' start from zero.
-        first = num_devices - 1 if reverse else 0
-        start = jnp.zeros_like(b[0])
-        if h0 is not None:
-            start = jnp.where(index == first, start + h0, start)
+        start = self._block_start(h0, b[0], reverse=reverse)
         block = _block_map(inner, a, b, start, reverse=reverse)
+        carry = self._carry_into_block(block, start, reverse=reverse)
+        return inner.recurrence(a, b, carry, reverse=reverse)
+
+    def _block_start(
+        self, h0: Array | None, like: Array, *, reverse: bool = False
+    ) -> Array:
+        """The state this device's block starts from before the exchange: `h0` on
+        the first device in run order (the last with `reverse`), zeros elsewhere
+        (shaped like `like`). The first block's map then carries `h0` to every
+        later block."""
+        num_devices, index = _mesh_axis(self.axis_name)
+        start = jnp.zeros_like(like)
+        if h0 is None:
+            return start
+        first = num_devices - 1 if reverse else 0
+        return jnp.where(index == first, start + h0, start)
+
+    def _carry_into_block(
+        self,
+        block: tuple[Array, Array],
+        start: Array,
+        *,
+        reverse: bool = False,
+    ) -> Array:
+        """The state entering this device's block, from every block's affine map
+        `(A, H)` (`A` the product of its decays, `H` its last state from `start`,
+        in run order): the maps of the blocks before it composed by the
+        `exchange`, applied to `start`. The recurrences with a time axis split over
+        devices share it: the diagonal one of `recurrence` and the selective
+        scan's."""
+        num_devices, index = _mesh_axis(self.axis_name)
         exchange = _EXCHANGES[self.exchange]
         before = exchange(block, self.axis_name, num_devices, index, reverse=reverse)
-        carry = before[0] * start + before[1]
-        return inner.recurrence(a, b, carry, reverse=reverse)
+        return before[0] * start + before[1]
 
     def shift(
         self,
@@ -219,3 +256,34 @@ class ShardedScan(AbstractScan):
     def sum_over_blocks(self, x: Inexact[Array, "..."]) -> Inexact[Array, "..."]:
         _mesh_axis(self.axis_name)  # the clear error outside `jax.shard_map`
         return lax.psum(x, self.axis_name)
+
+    def halo(
+        self,
+        x: Inexact[Array, " T *C"],
+        width: int,
+        fill: Inexact[Array, " W *C"] | None = None,
+        *,
+        reverse: bool = False,
+    ) -> Inexact[Array, " W *C"]:
+        check_halo_width(width)
+        num_devices, index = _mesh_axis(self.axis_name)
+        num_steps = x.shape[0]
+        if num_steps < width:
+            raise ValueError(
+                f"eqx_seq.ShardedScan({self.axis_name!r}): a block of {num_steps} "
+                f"steps is shorter than the {width} steps that a convolution reads "
+                "before it (a causal convolution of K taps reads the K - 1 steps "
+                "before each block, and only the device before holds them); use "
+                "fewer devices, a longer sequence or a shorter convolution."
+            )
+        fill = fill_halo(x, width, fill)
+        if width == 0:
+            return fill
+        # the steps next to each boundary come from the block before it in run order
+        steps = range(num_devices - 1)
+        if reverse:
+            edge, pairs, first = x[:width], [(i + 1, i) for i in steps], num_devices - 1
+        else:
+            edge, pairs, first = x[-width:], [(i, i + 1) for i in steps], 0
+        received = lax.ppermute(edge, self.axis_name, pairs)
+        return jnp.where(index == first, fill, received)

@@ -216,8 +216,6 @@ def test_bad_input():
     scan = eqx_seq.ShardedScan("seq")
     for build in (
         lambda: eqx_seq.KalmanFilter(2, 1, scan=scan, key=jr.key(0)),
-        lambda: eqx_seq.Mamba(4, scan=scan, key=jr.key(0)),
-        lambda: eqx_seq.HawkBlock(4, scan=scan, key=jr.key(0)),
         lambda: eqx_seq.tridiagonal_solve(b, b, b, b, scan=scan),
     ):
         with pytest.raises(ValueError, match="does not run on a time axis split"):

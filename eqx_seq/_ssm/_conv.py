@@ -7,6 +7,8 @@ import jax.numpy as jnp
 import jax.random as jr
 from jaxtyping import Array, Bool, Float, PRNGKeyArray
 
+from .._scan import AbstractScan
+
 
 class CausalConv(eqx.Module):
     """`y_t[c] = bias[c] + sum_k weight[k, c] * x_{t - K + 1 + k}[c]`: each channel
@@ -41,25 +43,46 @@ class CausalConv(eqx.Module):
             state = jnp.zeros((self.kernel_size - 1, x.shape[1]), x.dtype)
         return jnp.concatenate([state.astype(x.dtype), x])
 
-    def _segments(
-        self, x: Array, state: Array | None, reset: Array
-    ) -> tuple[Array, Array]:
-        """Outputs and final state with no step seeing an input from before the
-        segment it is in: each output is `step` on its own window of `K` inputs,
-        the entries from earlier segments (the carried `state` too, after a reset)
-        zeroed, which is what a separate call on each segment gives."""
+    @staticmethod
+    def _padded_segments(reset: Array, width: int) -> tuple[Array, Array]:
+        """The segment of every step, and of every entry of the state and steps
+        (`width` more in front, segment 0: the carried state's)."""
+        segment = jnp.cumsum(reset, dtype=jnp.int32)
+        return segment, jnp.concatenate([jnp.zeros(width, jnp.int32), segment])
+
+    def _segments(self, x: Array, state: Array | None, reset: Array) -> Array:
+        """The outputs with no step seeing an input from before the segment it is
+        in: each output is `step` on its own window of `K` inputs, the entries from
+        earlier segments (the carried `state` too, after a reset) zeroed, which is
+        what a separate call on each segment gives."""
         T, K = x.shape[0], self.kernel_size
         padded = self._padded(x, state)  # (K - 1 + T, C), the state first
-        # the segment of every padded entry: 0 for the carried state
-        segment = jnp.cumsum(reset, dtype=jnp.int32)
-        padded_segment = jnp.concatenate([jnp.zeros(K - 1, jnp.int32), segment])
+        segment, padded_segment = self._padded_segments(reset, K - 1)
         index = jnp.arange(T)[:, None] + jnp.arange(K)[None]  # (T, K) windows
         same = padded_segment[index] == segment[:, None]
         windows = jnp.where(same[..., None], padded[index], jnp.zeros((), x.dtype))
-        _, y = jax.vmap(self.step)(windows[:, :-1], windows[:, -1])
-        last = padded_segment[T:] == segment[-1]
-        final = jnp.where(last[:, None], padded[T:], jnp.zeros((), x.dtype))
-        return y, final
+        return jax.vmap(self.step)(windows[:, :-1], windows[:, -1])[1]
+
+    def block_state(
+        self,
+        x: Float[Array, "T C"],
+        state: Float[Array, "K1 C"] | None,
+        reset: Bool[Array, " T"] | None,
+        scan: AbstractScan,
+    ) -> Float[Array, "K1 C"]:
+        """The state a block `x` of the sequence starts from, by `scan.halo`:
+        `state` (zeros if `None`) where the sequence starts, which is every block on
+        one device; with a backend that splits time over devices
+        ([`eqx_seq.ShardedScan`][]), the last `K - 1` inputs of the device before,
+        zeros for those before a segment start there (its `final_state`), which
+        needs blocks of at least `K - 1` steps."""
+        fill = None if state is None else state.astype(x.dtype)
+        if reset is not None:
+            # what the next block reads: the inputs of this block's last segment
+            segment = jnp.cumsum(reset, dtype=jnp.int32)
+            last = segment == segment[-1]
+            x = jnp.where(last[:, None], x, jnp.zeros((), x.dtype))
+        return scan.halo(x, self.kernel_size - 1, fill)
 
     def __call__(
         self,
@@ -70,7 +93,7 @@ class CausalConv(eqx.Module):
         """The outputs for `x`, from `state`; `reset` (bool, `True` where a segment
         starts) keeps every window inside its own segment."""
         if reset is not None:
-            return self._segments(x, state, reset)[0]
+            return self._segments(x, state, reset)
         T = x.shape[0]
         padded = self._padded(x, state)
         weight = self.weight.astype(x.dtype)
@@ -88,9 +111,13 @@ class CausalConv(eqx.Module):
     ) -> Float[Array, "K1 C"]:
         """The last `K - 1` inputs (zeros for those before the last segment's
         start), the state to continue from."""
-        if reset is not None:
-            return self._segments(x, state, reset)[1]
-        return self._padded(x, state)[x.shape[0] :]
+        T = x.shape[0]
+        final = self._padded(x, state)[T:]
+        if reset is None:
+            return final
+        segment, padded_segment = self._padded_segments(reset, self.kernel_size - 1)
+        last = padded_segment[T:] == segment[-1]
+        return jnp.where(last[:, None], final, jnp.zeros((), x.dtype))
 
     def step(
         self,

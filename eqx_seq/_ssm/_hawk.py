@@ -84,7 +84,10 @@ class HawkBlock(eqx.Module):
             `lru_width`.
         - `conv_size`: the number of taps of the causal convolution.
         - `mlp_expansion`: the MLP's hidden size is `mlp_expansion * width`.
-        - `scan`: the RG-LRU's recurrence backend, an [`eqx_seq.AbstractScan`][].
+        - `scan`: the RG-LRU's recurrence backend, an [`eqx_seq.AbstractScan`][];
+            with [`eqx_seq.ShardedScan`][] the convolution also reads the
+            `conv_size - 1` inputs before each device's block from the device
+            before.
         - `dtype`: the parameter dtype, float32 or float64 (default: JAX's default
             float). Half-precision inputs are computed in this dtype.
         - `key`: a `jax.random` key for the initialisation. (Keyword only.)
@@ -95,8 +98,7 @@ class HawkBlock(eqx.Module):
         check_positive_int("conv_size", conv_size)
         check_positive_int("mlp_expansion", mlp_expansion)
         dtype = check_parameter_dtype("HawkBlock", dtype)
-        # its convolution crosses block boundaries: no time split over devices
-        check_scan(scan, name="eqx_seq.HawkBlock")
+        check_scan(scan, name="eqx_seq.HawkBlock", splits_time=True)
         keys = jr.split(key, 8)
         hidden = mlp_expansion * width
         self.rglru = RGLRU(
@@ -157,6 +159,8 @@ class HawkBlock(eqx.Module):
         )
         block, x = self._in_dtype(x)
         gate, v = block._branches(x)
+        # on a time axis split over devices, the inputs before this block
+        conv_state = block.conv.block_state(v, conv_state, reset, block.rglru.scan)
         u = block.conv(v, conv_state, reset)
         conv_final = block.conv.final_state(v, conv_state, reset)
         h = block.rglru(u, reset=reset, h0=lru_state)

@@ -99,7 +99,10 @@ class Mamba(eqx.Module):
             (through `b_Δ`; `0 < dt_min < dt_max`).
         - `chunk_size`: [`eqx_seq.selective_scan`][]'s steps between stored
             states.
-        - `scan`: the recurrence backend, an [`eqx_seq.AbstractScan`][].
+        - `scan`: the recurrence backend, an [`eqx_seq.AbstractScan`][]; with
+            [`eqx_seq.ShardedScan`][] the convolution also reads the
+            `conv_size - 1` inputs before each device's block from the device
+            before.
         - `dtype`: the parameter dtype, float32 or float64 (default: JAX's default
             float). Half-precision inputs are computed in this dtype.
         - `key`: a `jax.random` key for the initialisation. (Keyword only.)
@@ -121,7 +124,7 @@ class Mamba(eqx.Module):
             raise ValueError(
                 f"Need dt_min < dt_max, got dt_min={dt_min}, dt_max={dt_max}."
             )
-        check_scan(scan, name="eqx_seq.Mamba")
+        check_scan(scan, name="eqx_seq.Mamba", splits_time=True)
         dtype = check_parameter_dtype("Mamba", dtype)
         E = expand * input_size
         ikey, ckey, xkey, dkey, bkey, okey = jr.split(key, 6)
@@ -199,6 +202,8 @@ class Mamba(eqx.Module):
         vz = x @ self.in_proj.astype(dtype).T
         v, z = vz[:, : self.channels], vz[:, self.channels :]
         conv_state, ssm_state = (None, None) if h0 is None else h0
+        # on a time axis split over devices, the inputs before this block
+        conv_state = self.conv.block_state(v, conv_state, reset, self.scan)
         u = jax.nn.silu(self.conv(v, conv_state, reset))
         delta, B, C = self._mix(u)
         y, h = selective_scan(

@@ -8,6 +8,7 @@ from jaxtyping import Array, ArrayLike, Bool, Float
 
 from .._misc import check_positive_int, check_reset, vary_like
 from .._scan import AbstractScan, AutoScan, check_scan, SequentialScan
+from .._sharded_scan import ShardedScan
 from ._selective_core import fused_selective_scan
 from ._selective_loop import looped_selective_scan
 
@@ -33,6 +34,14 @@ def _check_shapes(arrays: dict, T: int, D: int, N: int) -> None:
             )
 
 
+def _block(scan: AbstractScan, chunk: int, args: tuple, h0: Array) -> tuple:
+    """`(y, h_last)` of the selective recurrence from `h0`, by the backend's
+    algorithm: the fused loop of a sequential one, else its chunked recurrences."""
+    if isinstance(scan, SequentialScan):
+        return looped_selective_scan(chunk, scan.unroll, *args, h0)
+    return fused_selective_scan(scan, chunk, *args, h0)
+
+
 @eqx.filter_jit
 def _run(scan, chunk, u, delta, A, B, C, D, z, delta_bias, delta_softplus, h0, reset):
     T = u.shape[0]
@@ -44,7 +53,6 @@ def _run(scan, chunk, u, delta, A, B, C, D, z, delta_bias, delta_softplus, h0, r
     # data inside the custom VJP, whose cotangents must have its inputs' types:
     # made to vary here, JAX sums their cotangents over the devices outside.
     A = vary_like(A, u, delta, B, C)
-    h0 = jnp.zeros_like(A) if h0 is None else vary_like(h0, A)
     # padded steps have `delta = 0`: a decay of one and no input, so the last state
     # is that of the last real step
     pad = -T % chunk
@@ -54,12 +62,21 @@ def _run(scan, chunk, u, delta, A, B, C, D, z, delta_bias, delta_softplus, h0, r
 
     # zero decay at a segment start: the state restarts there
     keep = jnp.ones(T, A.dtype) if reset is None else (~reset).astype(A.dtype)
-    keep = jnp.pad(keep, (0, pad), constant_values=1)
-    args = (padded(delta), A, padded(u), padded(B), padded(C), keep, h0)
-    if isinstance(scan, SequentialScan):
-        y, h_last = looped_selective_scan(chunk, scan.unroll, *args)
-    else:
-        y, h_last = fused_selective_scan(scan, chunk, *args)
+    args = (padded(delta), A, padded(u), padded(B), padded(C))
+    args = args + (jnp.pad(keep, (0, pad), constant_values=1),)
+    if isinstance(scan, ShardedScan):
+        # this device's block of a time axis split over devices: its affine map
+        # `h -> prod(a) h + H`, with `prod(a) = exp(A sum(delta))` (zero if a
+        # segment starts in it) and `H` its last state from zero, folded with the
+        # maps before it into the state it starts from
+        inner = scan.inner.select()
+        decay = jnp.exp(A * jnp.sum(delta, axis=0)[:, None]) * jnp.prod(keep)
+        start = vary_like(scan._block_start(h0, A), A)
+        _, last = _block(inner, chunk, args, start)
+        h0 = scan._carry_into_block((decay, last), start)
+        scan = inner
+    h0 = jnp.zeros_like(A) if h0 is None else vary_like(h0, A)
+    y, h_last = _block(scan, chunk, args, h0)
     y = y[:T]
     if D is not None:
         y = y + D[None] * u
@@ -108,6 +125,13 @@ def selective_scan(
     its `recurrence`. Differentiable in reverse mode (`jax.grad`, `jax.vjp`) with
     respect to every array argument; forward mode (`jax.jvp`) is not defined.
 
+    With [`eqx_seq.ShardedScan`][] (inside `jax.shard_map`, the time axis split
+    over devices), each device runs its inner backend's algorithm on its block
+    twice: from zero, for the block's map (its last state, and the product of its
+    decays `exp(A sum(delta))`), then from the state folded from the maps of the
+    blocks before it. Only the first device's `h0` is used, and the last
+    device's `h_last` is the whole sequence's.
+
     **Arguments:**
 
     - `u`: the input, shape `(T, D)`.
@@ -150,7 +174,7 @@ def selective_scan(
         ```
     """
     check_positive_int("chunk_size", chunk_size)
-    chosen = check_scan(scan, name="eqx_seq.selective_scan")
+    chosen = check_scan(scan, name="eqx_seq.selective_scan", splits_time=True)
     given = {
         "u": u,
         "delta": delta,

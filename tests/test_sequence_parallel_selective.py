@@ -1,0 +1,383 @@
+"""The selective layers on one sequence split over devices along time
+(`eqx_seq.ShardedScan` inside `jax.shard_map`): `selective_scan`, `Mamba`,
+`MambaBlock`, `HawkBlock` and language models built on them give the values and
+gradients of the same layer on one device.
+
+What crosses a block boundary: the `K - 1` inputs a causal convolution reads before
+a block (`AbstractScan.halo`) and the selective recurrence's state (folded from the
+blocks' maps). In process on the two CPU devices of `conftest.py`, and on eight
+forced CPU devices in a subprocess.
+"""
+
+import functools as ft
+import os
+import subprocess
+import sys
+import textwrap
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import jax.random as jr
+import numpy as np
+import pytest
+from jax.sharding import Mesh, PartitionSpec as P
+
+import eqx_seq
+
+
+pytestmark = pytest.mark.skipif(
+    jax.device_count() < 2, reason="needs two devices (conftest.py asks for them)"
+)
+
+ONE = eqx_seq.SequentialScan()
+
+
+def _mesh() -> Mesh:
+    return Mesh(np.array(jax.devices()[:2]), ("seq",))
+
+
+def _shard_map(fn, in_specs, out_specs=P("seq")):
+    return jax.shard_map(fn, mesh=_mesh(), in_specs=in_specs, out_specs=out_specs)
+
+
+def _assert_close(x, y, rtol=1e-9, atol=1e-11):
+    x_leaves, y_leaves = jax.tree.leaves(x), jax.tree.leaves(y)
+    assert len(x_leaves) == len(y_leaves)
+    for a, b in zip(x_leaves, y_leaves):
+        np.testing.assert_allclose(a, b, rtol=rtol, atol=atol)
+
+
+# ------------------------------------------------------------------------ halo
+
+
+@pytest.mark.parametrize("reverse", [False, True])
+def test_halo(reverse):
+    """`ShardedScan.halo` gives the steps next to each block from its neighbour
+    (`fill` at the sequence's end), and its gradient reaches the neighbour's
+    steps; the base class gives `fill`."""
+    T, C, width = 10, 3, 2
+    x = jr.normal(jr.key(0), (T, C))
+    fill = jr.normal(jr.key(1), (width, C))
+    w = jr.normal(jr.key(2), (2 * width, C))
+    scan = eqx_seq.ShardedScan("seq")
+    split = _shard_map(
+        lambda x, fill: scan.halo(x, width, fill, reverse=reverse), (P("seq"), P())
+    )
+    half = T // 2
+    if reverse:  # the first steps of the next block; the last block gets `fill`
+        expected = jnp.concatenate([x[half : half + width], fill])
+    else:  # the last steps of the block before; the first block gets `fill`
+        expected = jnp.concatenate([fill, x[half - width : half]])
+    _assert_close(jax.jit(split)(x, fill), expected)
+
+    def expected_fn(x, fill):
+        if reverse:
+            return jnp.concatenate([x[half : half + width], fill])
+        return jnp.concatenate([fill, x[half - width : half]])
+
+    loss = lambda f: lambda x, fill: jnp.sum(f(x, fill) * w)
+    grads = jax.jit(jax.grad(loss(split), argnums=(0, 1)))(x, fill)
+    _assert_close(grads, jax.grad(loss(expected_fn), argnums=(0, 1))(x, fill))
+    # one device: nothing precedes the sequence but `fill` (zeros by default)
+    _assert_close(ONE.halo(x, width, fill, reverse=reverse), fill)
+    _assert_close(ONE.halo(x, width), jnp.zeros((width, C)))
+
+
+def test_halo_bad_input():
+    x = jnp.ones((4, 2))
+    scan = eqx_seq.ShardedScan("seq")
+    for width in (-1, 1.5, True):
+        with pytest.raises(ValueError, match="`width` must be an int >= 0"):
+            ONE.halo(x, width)
+    short = _shard_map(lambda x: scan.halo(x, 3), (P("seq"),))
+    with pytest.raises(ValueError, match="block of 2 steps is shorter than the 3"):
+        short(x)
+    with pytest.raises(ValueError, match="inside `jax.shard_map`"):
+        scan.halo(x, 1)
+
+
+# -------------------------------------------------------------- selective_scan
+
+
+def _selective_inputs(T=24, D=3, N=2):
+    k = jr.split(jr.key(3), 9)
+    return {
+        "u": jr.normal(k[0], (T, D)),
+        "delta": jr.uniform(k[1], (T, D), minval=0.05, maxval=0.6),
+        "A": -jr.uniform(k[2], (D, N), minval=0.2, maxval=2.0),
+        "B": jr.normal(k[3], (T, N)),
+        "C": jr.normal(k[4], (T, N)),
+        "D": jr.normal(k[5], (D,)),
+        "z": jr.normal(k[6], (T, D)),
+        "delta_bias": jr.normal(k[7], (D,)) * 0.3,
+        "h0": jr.normal(k[8], (D, N)),
+    }
+
+
+SELECTIVE_CASES = {
+    "plain": ("u", "delta", "A", "B", "C"),
+    "h0, D, z": ("u", "delta", "A", "B", "C", "D", "z", "h0"),
+    "bias, softplus": ("u", "delta", "A", "B", "C", "D", "delta_bias"),
+}
+# which arguments are split along time (the rest are shared)
+TIME_AXIS = ("u", "delta", "B", "C", "z")
+
+
+@pytest.mark.parametrize("inner", ["sequential", "associative"])
+@pytest.mark.parametrize("reset", [False, True])
+@pytest.mark.parametrize("case", list(SELECTIVE_CASES))
+def test_selective_scan(case, reset, inner):
+    """Values, final state and gradients with respect to every array argument equal
+    one device's, with chunks that do not divide a block (padding), with resets in
+    both blocks."""
+    T = 24
+    inputs = {
+        k: v for k, v in _selective_inputs(T).items() if k in SELECTIVE_CASES[case]
+    }
+    names = list(inputs)
+    softplus = "delta_bias" in inputs
+    resets = jnp.zeros(T, bool).at[jnp.array([3, 19])].set(True) if reset else None
+    w = jr.normal(jr.key(4), (T, 3))
+    w_last = jr.normal(jr.key(5), (3, 2))
+    inner_scan = {
+        "sequential": eqx_seq.SequentialScan(),
+        "associative": eqx_seq.AssociativeScan(),
+    }[inner]
+
+    def run(scan, reset, **arrays):
+        return eqx_seq.selective_scan(
+            **arrays,
+            delta_softplus=softplus,
+            reset=reset,
+            return_last_state=True,
+            scan=scan,
+            chunk_size=5,
+        )
+
+    def one(*arrays):
+        return run(ONE, resets, **dict(zip(names, arrays)))
+
+    scan = eqx_seq.ShardedScan("seq", inner_scan)
+
+    def per_device(reset, *arrays):
+        y, h = run(scan, reset, **dict(zip(names, arrays)))
+        return y, h[None]
+
+    specs = tuple(P("seq") if k in TIME_AXIS else P() for k in names)
+    split = _shard_map(per_device, (P("seq"), *specs), (P("seq"), P("seq")))
+    if resets is None:
+        split = _shard_map(
+            lambda *arrays: per_device(None, *arrays), specs, (P("seq"), P("seq"))
+        )
+    else:
+        split = ft.partial(split, resets)
+
+    def two(*arrays):
+        y, finals = split(*arrays)
+        return y, finals[-1]  # the last device's: the whole sequence's
+
+    args = tuple(inputs.values())
+    _assert_close(jax.jit(two)(*args), one(*args))
+
+    def loss(f):
+        def value(*arrays):
+            y, h = f(*arrays)
+            return jnp.sum(y * w) + jnp.sum(h * w_last)
+
+        return value
+
+    argnums = tuple(range(len(args)))
+    g_split = jax.jit(jax.grad(loss(two), argnums))(*args)
+    g_one = jax.jit(jax.grad(loss(one), argnums))(*args)
+    _assert_close(g_split, g_one)
+
+
+def test_selective_scan_h0_on_first_device():
+    """Only the first device's `h0` counts."""
+    x = _selective_inputs(16)
+    h0s = jnp.stack([x["h0"], 10 + x["h0"]])  # one per device
+    scan = eqx_seq.ShardedScan("seq")
+    split = _shard_map(
+        lambda u, delta, B, C, h0: eqx_seq.selective_scan(
+            u, delta, x["A"], B, C, h0=h0[0], scan=scan
+        ),
+        (P("seq"),) * 5,
+    )
+    expected = eqx_seq.selective_scan(
+        x["u"], x["delta"], x["A"], x["B"], x["C"], h0=x["h0"], scan=ONE
+    )
+    _assert_close(jax.jit(split)(x["u"], x["delta"], x["B"], x["C"], h0s), expected)
+
+
+# ---------------------------------------------------------------------- layers
+
+
+def _reset(T):
+    # segments starting in both blocks, one among the last steps before the
+    # boundary (the convolution's halo is zero before it)
+    return jnp.zeros(T, bool).at[jnp.array([0, 5, T // 2 - 1, T // 2 + 2])].set(True)
+
+
+LAYERS = {
+    "mamba": lambda scan, key: eqx_seq.Mamba(
+        4, state_size=3, conv_size=4, chunk_size=5, scan=scan, key=key
+    ),
+    "mamba-block": lambda scan, key: eqx_seq.MambaBlock(
+        eqx_seq.Mamba(4, state_size=3, scan=scan, key=key), norm="layer"
+    ),
+    "hawk": lambda scan, key: eqx_seq.HawkBlock(
+        4, num_heads=2, conv_size=3, scan=scan, key=key
+    ),
+}
+
+
+@pytest.mark.parametrize("reset", [False, True])
+@pytest.mark.parametrize("name", list(LAYERS))
+def test_layers(name, reset):
+    """A layer on one sequence split over the devices: outputs and the gradients
+    with respect to its input and every parameter equal one device's."""
+    T = 24
+    one = LAYERS[name](ONE, jr.key(6))
+    split_layer = LAYERS[name](eqx_seq.ShardedScan("seq"), jr.key(6))
+    x = jr.normal(jr.key(7), (T, 4))
+    w = jr.normal(jr.key(8), (T, 4))
+    resets = _reset(T) if reset else None
+    params, static = eqx.partition(split_layer, eqx.is_inexact_array)
+    run = _shard_map(
+        lambda p, x, reset: eqx.combine(p, static)(x, reset=reset),
+        (P(), P("seq"), P("seq")),
+    )
+    if resets is None:
+        run = _shard_map(lambda p, x: eqx.combine(p, static)(x), (P(), P("seq")))
+    else:
+        run = (lambda f: lambda p, x: f(p, x, resets))(run)
+    p_one, s_one = eqx.partition(one, eqx.is_inexact_array)
+    run_one = lambda p, x: eqx.combine(p, s_one)(x, reset=resets)
+    _assert_close(jax.jit(run)(params, x), run_one(p_one, x))
+    loss = lambda f: lambda p, x: jnp.sum(f(p, x) * w)
+    g_split = jax.jit(jax.grad(loss(run), argnums=(0, 1)))(params, x)
+    g_one = jax.jit(jax.grad(loss(run_one), argnums=(0, 1)))(p_one, x)
+    _assert_close(g_split, g_one)
+
+
+@pytest.mark.parametrize("name", ["mamba", "hawk"])
+def test_initial_and_final_state(name):
+    """Streaming across a split: `h0` (convolution and recurrence) is the first
+    device's, and `final_state` on the last device is the whole sequence's."""
+    T = 16
+    one = LAYERS[name](ONE, jr.key(9))
+    split_layer = LAYERS[name](eqx_seq.ShardedScan("seq"), jr.key(9))
+    x = jr.normal(jr.key(10), (T, 4))
+    h0 = jax.tree.map(
+        lambda s: jr.normal(jr.key(11), s.shape, s.dtype), one.init_state()
+    )
+    h0 = tuple(h0)
+    run = _shard_map(
+        lambda x, h0: (
+            split_layer(x, h0=h0),
+            jax.tree.map(lambda s: s[None], split_layer.final_state(x, h0=h0)),
+        ),
+        (P("seq"), P()),
+        (P("seq"), P("seq")),
+    )
+    y, finals = jax.jit(run)(x, h0)
+    _assert_close(y, one(x, h0=h0))
+    _assert_close(jax.tree.map(lambda s: s[-1], finals), one.final_state(x, h0=h0))
+
+
+@pytest.mark.parametrize("mixer", ["mamba", "rglru"])
+def test_language_model(mixer):
+    """`LanguageModel` with Mamba or Hawk blocks on one token stream split over the
+    devices: the logits and the gradient of a next-token loss equal one device's."""
+    ids = jr.randint(jr.key(12), (32,), 0, 20)
+    make = lambda scan: eqx_seq.LanguageModel(
+        20, width=8, depth=2, state_size=4, mixer=mixer, scan=scan, key=jr.key(13)
+    )
+    one, split_lm = make(ONE), make(eqx_seq.ShardedScan("seq"))
+    params, static = eqx.partition(split_lm, eqx.is_inexact_array)
+
+    def nll(lm, ids):
+        logp = jax.nn.log_softmax(lm(ids)[:-1])
+        return -jnp.sum(jnp.take_along_axis(logp, ids[1:, None], axis=1))
+
+    logits = _shard_map(lambda p, ids: eqx.combine(p, static)(ids), (P(), P("seq")))
+    p_one, s_one = eqx.partition(one, eqx.is_inexact_array)
+    _assert_close(jax.jit(logits)(params, ids), one(ids))
+    g_split = jax.jit(jax.grad(lambda p: nll(lambda ids: logits(p, ids), ids)))(params)
+    g_one = jax.jit(jax.grad(lambda p: nll(eqx.combine(p, s_one), ids)))(p_one)
+    _assert_close(g_split, g_one)
+
+
+def test_convolution_longer_than_a_block():
+    """A block shorter than the `K - 1` steps the convolution reads before it is a
+    clear error (only the device before holds them)."""
+    layer = eqx_seq.Mamba(
+        4, conv_size=4, scan=eqx_seq.ShardedScan("seq"), key=jr.key(0)
+    )
+    run = _shard_map(layer, (P("seq"),))
+    with pytest.raises(ValueError, match="block of 2 steps is shorter than the 3"):
+        run(jnp.ones((4, 4)))
+    run(jnp.ones((6, 4)))  # blocks of 3: enough
+
+
+# --------------------------------------------------------------- eight devices
+
+
+_EIGHT_DEVICES = textwrap.dedent(
+    """
+    import jax
+    jax.config.update("jax_num_cpu_devices", 8)
+    jax.config.update("jax_enable_x64", True)
+    import equinox as eqx, jax.numpy as jnp, jax.random as jr, numpy as np
+    from jax.sharding import Mesh, PartitionSpec as P
+    import eqx_seq
+
+    mesh = Mesh(np.array(jax.devices()), ("seq",))
+    T = 48  # blocks of 6 steps
+    x = jr.normal(jr.key(0), (T, 4))
+    w = jr.normal(jr.key(1), (T, 4))
+    reset = jnp.zeros(T, bool).at[jnp.array([0, 7, 12, 13, 40])].set(True)
+    make = lambda scan: eqx_seq.Mamba(4, state_size=3, chunk_size=4, scan=scan,
+                                      key=jr.key(2))
+    one = make(eqx_seq.SequentialScan())
+    split_layer = make(eqx_seq.ShardedScan("seq"))
+    params, static = eqx.partition(split_layer, eqx.is_inexact_array)
+    p_one, s_one = eqx.partition(one, eqx.is_inexact_array)
+    split = jax.shard_map(
+        lambda p, x, r: eqx.combine(p, static)(x, reset=r), mesh=mesh,
+        in_specs=(P(), P("seq"), P("seq")), out_specs=P("seq"))
+    single = lambda p, x, r: eqx.combine(p, s_one)(x, reset=r)
+    worst = 0.0
+    for r in (None, reset):
+        if r is None:
+            f2 = lambda p, x: split(p, x, jnp.zeros(T, bool))
+        else:
+            f2 = lambda p, x: split(p, x, r)
+        f1 = lambda p, x: single(p, x, r)
+        loss = lambda f: lambda p, x: jnp.sum(f(p, x) * w)
+        pairs = [(jax.jit(f2)(params, x), f1(p_one, x))]
+        g2 = jax.jit(jax.grad(loss(f2), argnums=(0, 1)))(params, x)
+        g1 = jax.jit(jax.grad(loss(f1), argnums=(0, 1)))(p_one, x)
+        pairs += list(zip(jax.tree.leaves(g2), jax.tree.leaves(g1)))
+        for a, b in pairs:
+            worst = max(worst, float(jnp.max(jnp.abs(a - b))))
+    print("max abs difference", worst)
+    assert worst < 1e-10, worst
+    """
+)
+
+
+def test_eight_devices():
+    """Eight blocks (eight forced CPU devices, in a subprocess): a Mamba layer's
+    values and gradients, with and without resets, against one device."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    out = subprocess.run(
+        [sys.executable, "-c", _EIGHT_DEVICES],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=240,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "max abs difference" in out.stdout
