@@ -421,8 +421,8 @@ class KalmanFilter(_Predictive):
         with `initialization="diffuse"`. See `docs/usage/kalman.md`.
         """
         not_diffuse(self, "fit_em")  # the E-step is the smoother
-        ys, us, spec = check_fit_em(self, ys, us, num_iters, fixed)
         scan = backend(self.scan, caller="fit_em")
+        ys, us, spec = check_fit_em(self, ys, us, num_iters, fixed)
         return fit_em(self, ys, us, num_iters, spec, scan)
 
 
