@@ -23,7 +23,13 @@ from ._results import (
     KalmanSmootherResult,
 )
 from ._sample import sample_prior
-from ._sharded import check_sharded, filter_sharded, smooth_sharded, splits_time
+from ._sharded import (
+    check_sharded,
+    filter_sharded,
+    log_likelihood_sharded,
+    smooth_sharded,
+    splits_time,
+)
 
 
 class KalmanFilter(_Predictive):
@@ -442,8 +448,9 @@ def _smooth_jit(kf: KalmanFilter, ys: Array, us: Array | None) -> KalmanSmoother
 
 @eqx.filter_jit
 def _log_likelihood_jit(kf: KalmanFilter, ys: Array, us: Array | None) -> Array:
-    if kf.initialization == "diffuse" or splits_time(kf.scan):
-        # Fisher's identity needs the smoother, which has no diffuse form here;
-        # split over devices, plain autodiff through the filter and the exchange
-        return _filter_jit(kf, ys, us).log_likelihood
+    if splits_time(kf.scan):  # differentiated by plain autodiff
+        return log_likelihood_sharded(kf, ys, us, kf.scan)
+    if kf.initialization == "diffuse":
+        # Fisher's identity needs the smoother, which has no diffuse form here
+        return filter_(kf, ys, us, backend(kf.scan)).log_likelihood
     return fisher_log_likelihood(kf, ys, us, backend(kf.scan))

@@ -23,8 +23,20 @@ from .._misc import full_precision
 from .._scan import AbstractScan, check_scan
 from .._sharded_scan import _mesh_axis
 from ._dispatch import by_whitening, filter_problem
-from ._linalg import _factor, _sandwich, _sym
-from ._parallel import _sqrt_combine, _sqrt_element, _transitions, filter_parallel
+from ._linalg import (
+    _bmm,
+    _chol,
+    _eye_like,
+    _factor,
+    _mT,
+    _sandwich,
+    _sym,
+    inverse_cholesky,
+    tria,
+    tria_gram,
+    tril_inverse_by_rows,
+)
+from ._parallel import _sqrt_combine, filter_parallel
 from ._problem import _Model, _per_step, _Problem, prepare
 from ._results import KalmanFilterResult, KalmanSmootherResult
 from ._sequential import filter_exact
@@ -48,21 +60,64 @@ def inner_backend(scan: "ShardedScan") -> AbstractScan:
     )
 
 
-def _block_element(problem: _Problem, first: Array, inner: AbstractScan):
-    """The filtering element of the whole block: its steps' elements combined in
-    order (a loop, or the parallel backend's associative scan)."""
-    F, mu, L = _transitions(problem, first)
-    xs = (F, mu, L, problem.Hw, problem.yw)
-    if inner.parallel:
-        elements = jax.vmap(_sqrt_element)(*xs)
-        combined = inner.associative_scan(jax.vmap(_sqrt_combine), elements)
-        return jax.tree.map(lambda x: x[-1], combined)
+def _block_element(problem: _Problem, first: Array, inner: AbstractScan, kf):
+    """The filtering element of the whole block, `p(x_e | x_{s-1}, y_s..y_e)` and
+    the information `y_s..y_e` carry about `x_{s-1}` (`_sqrt_combine`'s form), and
+    `log p(y_s..y_e | x_{s-1} = 0)`.
 
-    def step(acc, x):
-        return _sqrt_combine(acc, _sqrt_element(*x)), None
+    Given `x_{s-1}`, the filter of the block is the inner backend's filter with the
+    covariance started at zero, and its means are affine in `x_{s-1}`: the filter
+    runs under `jax.vmap` over `n + 1` mean columns (from `0` with the data, and
+    from each unit vector without), which batches the means only, the covariances
+    being the same for all. The innovations given `x_{s-1}` are independent, so the
+    information is their sum over the steps, taken after the filter. The first
+    device's element has the prior folded in (its linear part is zero).
+    """
+    model, c = problem.model, problem.c
+    n, dtype = model.m0.shape[0], problem.yw.dtype
+    starts = jnp.concatenate([jnp.zeros((1, n), dtype), jnp.eye(n, dtype=dtype)])
+    data = jnp.zeros((n + 1,), dtype).at[0].set(1)  # the data's weight per column
 
-    head = _sqrt_element(*jax.tree.map(lambda x: x[0], xs))
-    return lax.scan(step, head, jax.tree.map(lambda x: x[1:], xs))[0]
+    def column(start, weight):
+        scaled = _Model(model.F, model.L_Q, model.H, model.m0 * weight, model.L_P0,
+                        prior_at=model.prior_at)  # fmt: skip
+        column = eqx.tree_at(
+            lambda pr: (pr.model, pr.c, pr.yw),
+            problem,
+            (scaled, None if c is None else c * weight, problem.yw * weight),
+            is_leaf=lambda x: x is None,
+        )
+        zero = jnp.zeros((n, n), dtype)
+        r = filter_problem(_from_state(column, first, start, zero), inner, kf)
+        return (r.means[-1], r.predicted_means, r.log_likelihood), (r.covs[-1],
+                r.predicted_covs)  # fmt: skip
+
+    (ms, mps, lls), (C, Pps) = jax.vmap(column, out_axes=(0, None))(starts, data)
+    Hw = problem.Hw
+    # whitened innovations of the data column, and their derivative in x_{s-1}
+    S = _bmm(_bmm(Hw, Pps), _mT(Hw))
+    W = inverse_cholesky(_sym(S) + _eye_like(S))
+    v0 = problem.yw - jnp.sum(Hw * mps[0][:, None, :], axis=-1)
+    w0 = jnp.sum(W * v0[:, None, :], axis=-1)
+    N = -_bmm(_bmm(W, Hw), jnp.moveaxis(mps[1:], 0, -1))
+    eta = -jnp.sum(N * w0[:, :, None], axis=(0, 1))
+    Z = tria_gram(N.reshape(-1, n).T)
+    element = (ms[1:].T, ms[0], _chol(C), eta, Z)
+    return element, lls[0]
+
+
+def _block_log_likelihood(element, ll0: Array, m: Array, L: Array) -> Array:
+    """`log p(y_s..y_e | y_1..y_{s-1})` from `log p(y_s..y_e | x_{s-1} = 0)` and
+    the information `(eta, J = Z Z^T)` of the block about `x_{s-1}`, with
+    `x_{s-1} ~ N(m, L L^T)`: `ll0 + eta^T m - m^T J m / 2 - log|I + L^T J L| / 2 +
+    |Xi^{-1} L^T (eta - J m)|^2 / 2`, where `Xi Xi^T = I + L^T J L`."""
+    _, _, _, eta, Z = element
+    n = m.shape[0]
+    Xi = tria(jnp.concatenate([L.T @ Z, jnp.eye(n, dtype=m.dtype)], axis=1))
+    Zm = Z.T @ m
+    h = tril_inverse_by_rows(Xi) @ (L.T @ (eta - Z @ Zm))
+    log_det = jnp.sum(jnp.log(jnp.diagonal(Xi)))
+    return ll0 + eta @ m - 0.5 * Zm @ Zm - log_det + 0.5 * h @ h
 
 
 def _filtered_before(element, axis_name: str, index: Array):
@@ -95,26 +150,47 @@ def _from_state(problem: _Problem, first: Array, m: Array, L: Array) -> _Problem
     return eqx.tree_at(lambda pr: pr.model, problem, model)
 
 
+def _exchange(kf, ys, us, scan: "ShardedScan"):
+    """This block's element and `log p(y_s..y_e | x_{s-1} = 0)`, and the filtered
+    state before the block from the elements of all the blocks before it."""
+    _, index = _mesh_axis(scan.axis_name)
+    inner = inner_backend(scan)
+    first = index == 0
+    # the data-dependent whitening is a branch per device; the exchange stays out
+    element, ll0 = by_whitening(
+        ys, inner, lambda w: _block_element(prepare(kf, ys, us, w), first, inner, kf)
+    )
+    return element, ll0, _filtered_before(element, scan.axis_name, index)
+
+
+def _finish(kf, ys, us, scan: "ShardedScan", state, whitening):
+    """The problem of this block, its step 1 predicted from the filtered `state`
+    before it (from the prior on the first device)."""
+    first = _mesh_axis(scan.axis_name)[1] == 0
+    return _from_state(prepare(kf, ys, us, whitening), first, *state)
+
+
+@full_precision
+def log_likelihood_sharded(
+    kf: "KalmanFilter", ys: Array, us: Array | None, scan: "ShardedScan"
+) -> Array:
+    """The whole sequence's log-likelihood: each block's given the filtered state
+    before it, in closed form from its element, summed over the devices."""
+    element, ll0, (m, L) = _exchange(kf, ys, us, scan)
+    ll = _block_log_likelihood(element, ll0, m, L)
+    return lax.psum(ll, scan.axis_name)
+
+
 @full_precision
 def filter_sharded(
     kf: "KalmanFilter", ys: Array, us: Array | None, scan: "ShardedScan"
 ) -> KalmanFilterResult:
     """The filter of this device's block; the log-likelihood is the whole
     sequence's (summed over the devices)."""
-    _, index = _mesh_axis(scan.axis_name)
     inner = inner_backend(scan)
-    first = index == 0
-    # the data-dependent whitening is a branch per device; the exchange stays out
-    element = by_whitening(
-        ys, inner, lambda w: _block_element(prepare(kf, ys, us, w), first, inner)
-    )
-    m, L = _filtered_before(element, scan.axis_name, index)
-
-    def finish(whitening):
-        problem = _from_state(prepare(kf, ys, us, whitening), first, m, L)
-        return filter_problem(problem, inner, kf)
-
-    result = by_whitening(ys, inner, finish)
+    _, _, state = _exchange(kf, ys, us, scan)
+    run = lambda w: filter_problem(_finish(kf, ys, us, scan, state, w), inner, kf)
+    result = by_whitening(ys, inner, run)
     total = lax.psum(result.log_likelihood, scan.axis_name)
     return eqx.tree_at(lambda r: r.log_likelihood, result, total)
 
@@ -163,14 +239,11 @@ def smooth_sharded(
     device)."""
     num_devices, index = _mesh_axis(scan.axis_name)
     inner = inner_backend(scan)
-    first, last = index == 0, index == num_devices - 1
-    element = by_whitening(
-        ys, inner, lambda w: _block_element(prepare(kf, ys, us, w), first, inner)
-    )
-    m, L = _filtered_before(element, scan.axis_name, index)
+    last = index == num_devices - 1
+    _, _, state = _exchange(kf, ys, us, scan)
 
     def local(whitening):
-        problem = _from_state(prepare(kf, ys, us, whitening), first, m, L)
+        problem = _finish(kf, ys, us, scan, state, whitening)
         if inner.parallel:
             filtered, factors = filter_parallel(problem, inner)
         else:
