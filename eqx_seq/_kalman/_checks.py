@@ -5,6 +5,8 @@ from typing import Any, TYPE_CHECKING
 import jax.numpy as jnp
 from jaxtyping import Array
 
+from .._sharded_scan import _mesh_axis
+
 
 if TYPE_CHECKING:
     from ._layer import KalmanFilter
@@ -16,7 +18,10 @@ def inputs(
     """Validate observations and controls; cast them to the parameters' dtype."""
     ys = observations(kf, ys, caller)
     T = ys.shape[0]
-    check_length(kf, T, caller)
+    if getattr(type(kf.scan), "splits_time", False):
+        check_block(kf, T, caller)
+    else:
+        check_length(kf, T, caller)
     return ys, controls(kf, us, T, caller)
 
 
@@ -52,6 +57,22 @@ def check_length(kf: "KalmanFilter", T: int, caller: str) -> None:
         raise ValueError(
             f"eqx_seq.KalmanFilter.{caller}: this model is time-varying with "
             f"{kf.num_steps} steps, but the sequence has {T}."
+        )
+
+
+def check_block(kf: "KalmanFilter", T: int, caller: str) -> None:
+    """With the time axis split over devices (`eqx_seq.ShardedScan`): `T` is this
+    device's block, and the time-varying matrices must be split like it."""
+    num_devices, _ = _mesh_axis(kf.scan.axis_name)
+    check_length(kf, T * num_devices, caller)
+    leaves = (kf.F, kf.H, kf.Q_factor, kf.R_factor)
+    lengths = {x.shape[0] for x in leaves if x.ndim == 3}
+    if lengths and lengths != {T}:
+        raise ValueError(
+            f"eqx_seq.KalmanFilter.{caller}: with the time axis split over devices, "
+            "split the time-varying matrices like the observations (in_specs "
+            f"`P({kf.scan.axis_name!r})` for them): this device has {T} steps of "
+            f"observations but matrices of {sorted(lengths)} steps."
         )
 
 

@@ -27,10 +27,19 @@ if TYPE_CHECKING:
 _Out = TypeVar("_Out")
 
 
-def backend(scan: AbstractScan) -> AbstractScan:
+def backend(
+    scan: AbstractScan, *, caller: str = "", splits_time: bool = False
+) -> AbstractScan:
     """The backend that runs; it declares whether it is `parallel`, and a parallel
-    one implements `associative_scan`."""
-    return check_scan(scan, name="eqx_seq.KalmanFilter", chooses=True, pytree_scan=True)
+    one implements `associative_scan`. With `splits_time`, the caller also takes
+    one that splits time over devices (`eqx_seq.ShardedScan`, `_sharded`)."""
+    return check_scan(
+        scan,
+        name="eqx_seq.KalmanFilter" + (f".{caller}" if caller else ""),
+        chooses=True,
+        pytree_scan=True,
+        splits_time=splits_time,
+    )
 
 
 def by_whitening(

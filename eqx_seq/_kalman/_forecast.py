@@ -69,7 +69,7 @@ def forecast(
 ) -> KalmanForecastResult:
     """The forecast of `kf` for `horizon` steps after `ys` (checked; `us` holds the
     controls of the data's steps and then of the forecast's)."""
-    scan = backend(kf.scan)
+    scan = backend(kf.scan, caller="forecast")
     T = ys.shape[0]
     filtered = filter_(_steps(kf, 0, T), ys, None if us is None else us[:T], scan)
     ahead = _steps(kf, T, T + horizon)

@@ -23,6 +23,13 @@ from ._results import (
     KalmanSmootherResult,
 )
 from ._sample import sample_prior
+from ._sharded import (
+    check_sharded,
+    filter_sharded,
+    log_likelihood_sharded,
+    smooth_sharded,
+    splits_time,
+)
 
 
 class KalmanFilter(_Predictive):
@@ -130,7 +137,7 @@ class KalmanFilter(_Predictive):
             raise ValueError(
                 f"`control_size` must be a non-negative int, got {control_size!r}."
             )
-        backend(scan)
+        check_sharded(scan, initialization)
         dtype = check_parameter_dtype("KalmanFilter", dtype)
         n, p, c = state_size, obs_size, control_size
         # `from_matrices` passes the parameters it made (and no key)
@@ -195,7 +202,7 @@ class KalmanFilter(_Predictive):
         `ValueError` for inconsistent shapes; at run time (`eqx.error_if`) if `Q`,
         `R` or `P0` is not symmetric positive definite.
         """
-        backend(scan)
+        check_sharded(scan, initialization)
         arrays = {"F": F, "H": H, "Q": Q, "R": R, "m0": m0, "P0": P0, "B": B, "D": D}
         params = parameters_from_matrices(arrays, dtype)
         n, p = params.F.shape[-1], params.H.shape[-2]
@@ -420,22 +427,29 @@ class KalmanFilter(_Predictive):
         with `initialization="diffuse"`. See `docs/usage/kalman.md`.
         """
         not_diffuse(self, "fit_em")  # the E-step is the smoother
+        scan = backend(self.scan, caller="fit_em")
         ys, us, spec = check_fit_em(self, ys, us, num_iters, fixed)
-        return fit_em(self, ys, us, num_iters, spec, backend(self.scan))
+        return fit_em(self, ys, us, num_iters, spec, scan)
 
 
 @eqx.filter_jit
 def _filter_jit(kf: KalmanFilter, ys: Array, us: Array | None) -> KalmanFilterResult:
+    if splits_time(kf.scan):
+        return filter_sharded(kf, ys, us, kf.scan)
     return filter_(kf, ys, us, backend(kf.scan))
 
 
 @eqx.filter_jit
 def _smooth_jit(kf: KalmanFilter, ys: Array, us: Array | None) -> KalmanSmootherResult:
+    if splits_time(kf.scan):
+        return smooth_sharded(kf, ys, us, kf.scan)
     return smooth(kf, ys, us, backend(kf.scan))
 
 
 @eqx.filter_jit
 def _log_likelihood_jit(kf: KalmanFilter, ys: Array, us: Array | None) -> Array:
+    if splits_time(kf.scan):  # differentiated by plain autodiff
+        return log_likelihood_sharded(kf, ys, us, kf.scan)
     if kf.initialization == "diffuse":
         # Fisher's identity needs the smoother, which has no diffuse form here
         return filter_(kf, ys, us, backend(kf.scan)).log_likelihood

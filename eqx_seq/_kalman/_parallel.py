@@ -27,7 +27,13 @@ from ._linalg import (
 from ._problem import _per_step, _Problem
 from ._results import _filter_result, KalmanFilterResult
 from ._sqrt import sqrt_update, whitened_log_density
-from ._step import _predict, _predicted_covs, _update, first_prediction
+from ._step import (
+    _predict,
+    _predicted_covs,
+    _update,
+    first_factor,
+    first_prediction,
+)
 
 
 def _filter_elements(problem: _Problem):
@@ -99,59 +105,60 @@ def _combine_filter(earlier, later):
     return A, b, C, eta, J
 
 
-def _transitions(problem: _Problem):
+def _transitions(problem: _Problem, first: Array | bool = True):
     """Every step's `F`, `mu` (the control's `B u`) and the factor of the noise
-    covariance `Sigma` given `x_{t-1}`; step 1 with the prior folded in (no
-    dependence on `x_0`: `F = 0`, and the prediction of `x_1`: `first_prediction`
-    in square-root form)."""
+    covariance `Sigma` given `x_{t-1}`. With `first` (a bool, or a traced one under
+    `eqx_seq.ShardedScan`), step 1 has the prior folded in (no dependence on `x_0`:
+    `F = 0`, and the prediction of `x_1`, `first_factor`); else step 1 is a
+    transition like the others (a block that does not start the sequence)."""
     model, c = problem.model, problem.c
     T = problem.num_steps
     n = model.m0.shape[0]
     F = jnp.broadcast_to(model.F, (T, n, n))
     L_Q = jnp.broadcast_to(model.L_Q, (T, n, n))
     mu = jnp.zeros((T, n), F.dtype) if c is None else c
-    if model.prior_at == "x1":  # the prior is x_1's own
-        mu, L_pred1 = mu.at[0].set(model.m0), model.L_P0
-    else:
-        mu = mu.at[0].set(F[0] @ model.m0 + mu[0])
-        L_pred1 = tria(jnp.concatenate([F[0] @ model.L_P0, L_Q[0]], axis=1))
-    return F.at[0].set(0), mu, L_Q.at[0].set(L_pred1)
+    m1, L1 = first_factor(model, c)
+    return (
+        F.at[0].set(jnp.where(first, 0, F[0])),
+        mu.at[0].set(jnp.where(first, m1, mu[0])),
+        L_Q.at[0].set(jnp.where(first, L1, L_Q[0])),
+    )
 
 
-def _sqrt_elements(problem: _Problem):
-    """The filtering elements `(A, b, U, eta, Z)` of every step, `C = U U^T`,
+def _sqrt_element(F: Array, mu: Array, L: Array, Hw: Array, y: Array):
+    """The filtering element `(A, b, U, eta, Z)` of one step, `C = U U^T`,
     `J = Z Z^T`; `Z` is `n x n` (zero columns added, or compressed by `tria_gram`).
 
     With the factor `L` of `Sigma`, the triangularisation of `[[Hw L, I], [L, 0]]`
     is `[[S^{1/2}, 0], [Sigma Hw^T S^{-T/2}, U]]`: the gain `K = Sigma Hw^T S^{-1}`
     and `C = Sigma - K S K^T` without cancellation; `Z = F^T Hw^T S^{-T/2}`.
     """
-    F, mu, L_Sigma = _transitions(problem)
-    p = problem.yw.shape[1]
-    n = F.shape[-1]
-
-    def element(F, mu, L, Hw, y):
-        X = tria(
-            jnp.concatenate(
-                [
-                    jnp.concatenate([Hw @ L, jnp.eye(p, dtype=L.dtype)], axis=1),
-                    jnp.concatenate([L, jnp.zeros((n, p), L.dtype)], axis=1),
-                ]
-            )
+    p, n = Hw.shape
+    X = tria(
+        jnp.concatenate(
+            [
+                jnp.concatenate([Hw @ L, jnp.eye(p, dtype=L.dtype)], axis=1),
+                jnp.concatenate([L, jnp.zeros((n, p), L.dtype)], axis=1),
+            ]
         )
-        S_inv_half = tril_inverse_by_rows(X[:p, :p])  # S^{-1/2}
-        K = X[p:, :p] @ S_inv_half
-        HF = Hw @ F
-        v = y - Hw @ mu
-        Z = HF.T @ S_inv_half.T
-        eta = Z @ (S_inv_half @ v)
-        if p < n:
-            Z = jnp.concatenate([Z, jnp.zeros((n, n - p), Z.dtype)], axis=1)
-        elif p > n:
-            Z = tria_gram(Z)
-        return F - K @ HF, mu + K @ v, X[p:, p:], eta, Z
+    )
+    S_inv_half = tril_inverse_by_rows(X[:p, :p])  # S^{-1/2}
+    K = X[p:, :p] @ S_inv_half
+    HF = Hw @ F
+    v = y - Hw @ mu
+    Z = HF.T @ S_inv_half.T
+    eta = Z @ (S_inv_half @ v)
+    if p < n:
+        Z = jnp.concatenate([Z, jnp.zeros((n, n - p), Z.dtype)], axis=1)
+    elif p > n:
+        Z = tria_gram(Z)
+    return F - K @ HF, mu + K @ v, X[p:, p:], eta, Z
 
-    return jax.vmap(element)(F, mu, L_Sigma, problem.Hw, problem.yw)
+
+def _sqrt_elements(problem: _Problem):
+    """The filtering elements (`_sqrt_element`) of every step."""
+    F, mu, L_Sigma = _transitions(problem)
+    return jax.vmap(_sqrt_element)(F, mu, L_Sigma, problem.Hw, problem.yw)
 
 
 def _sqrt_combine(earlier, later):

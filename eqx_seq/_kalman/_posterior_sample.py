@@ -40,7 +40,7 @@ def posterior_sample(
 ) -> Array:
     """`num_samples` paths `x_1..x_T` given `ys` and `us` (checked), shape
     `(num_samples, T, n)`; the filter and the elements are computed once."""
-    scan = backend(kf.scan)
+    scan = backend(kf.scan, caller="posterior_sample")
     filtered = filter_(kf, ys, us, scan)
     E, g, L = smoother_elements(_model(kf), filtered)
     # every L_t is positive definite (Q and P_t are); factored without LAPACK,

@@ -7,6 +7,7 @@ from jaxtyping import Array, ArrayLike, Float, PRNGKeyArray
 
 from .._misc import check_positive_int
 from ._checks import inputs, not_diffuse
+from ._dispatch import backend
 from ._forecast import check_forecast, forecast
 from ._posterior_sample import posterior_sample
 from ._results import KalmanForecastResult, KalmanState
@@ -54,6 +55,7 @@ class _Predictive(eqx.Module):
         A time-varying model has matrices for its `num_steps` steps only: with it,
         `ys` may be shorter than `num_steps`, and `T + horizon <= num_steps`.
         """
+        backend(self.scan, caller="forecast")
         ys, us = check_forecast(self, ys, us, horizon)
         return forecast(self, ys, us, horizon)
 
@@ -85,6 +87,7 @@ class _Predictive(eqx.Module):
         The paths `x_1..x_T`, shape `(num_samples, T, state_size)`.
         """
         check_positive_int("num_samples", num_samples)
+        backend(self.scan, caller="posterior_sample")
         ys, us = inputs(self, ys, us, "posterior_sample")
         not_diffuse(self, "posterior_sample")
         return posterior_sample(self, key, ys, us, num_samples)

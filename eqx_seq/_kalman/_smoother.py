@@ -100,25 +100,13 @@ def _smoothed(filtered, E, ms, Ps) -> KalmanSmootherResult:
 def smooth_sequential(
     model: _Model, filtered: KalmanFilterResult, factors: Array | tuple
 ) -> KalmanSmootherResult:
-    """Backwards in a loop: `m_t = E_t m_{t+1} + g_t`, `P_t = E_t P_{t+1} E_t^T + C_t`
-    (a sum of positive semi-definite terms), two small products per step.
-    `factors`: every step's, or the steady-state filter's `(head, tail)`."""
+    """Backwards in a loop (`smooth_elements`). `factors`: every step's, or the
+    steady-state filter's `(head, tail)`."""
     if isinstance(factors, tuple):
-        E, g, C = settled_elements(model, filtered, *factors)
+        elements = settled_elements(model, filtered, *factors)
     else:
-        E, g, C = smoother_elements(model, filtered, factors)
-
-    def step(carry, x):
-        m, P = carry
-        E, g, C = x
-        m, P = _mv(E, m) + g, _sym(_sandwich(E, P) + C)
-        return (m, P), (m, P)
-
-    init = (filtered.means[-1], filtered.covs[-1])
-    _, (ms, Ps) = lax.scan(step, init, (E[:-1], g[:-1], C[:-1]), reverse=True)
-    ms = jnp.concatenate([ms, init[0][None]])
-    Ps = jnp.concatenate([Ps, init[1][None]])
-    return _smoothed(filtered, E, ms, Ps)
+        elements = smoother_elements(model, filtered, factors)
+    return smooth_elements(filtered, elements, None)
 
 
 def combine(later, earlier):
@@ -128,11 +116,34 @@ def combine(later, earlier):
     return E_e @ E_l, E_e @ g_l + g_e, _sym(E_e @ C_l @ _mT(E_e) + C_e)
 
 
+def smooth_elements(
+    filtered: KalmanFilterResult, elements, scan: AbstractScan | None
+) -> KalmanSmootherResult:
+    """The smoothed moments from every step's elements `(E, g, C)`, the last with
+    `E = 0` (the smoothed moments of the last step): backwards in a loop,
+    `m_t = E_t m_{t+1} + g_t`, `P_t = E_t P_{t+1} E_t^T + C_t` (a sum of positive
+    semi-definite terms), or with a parallel `scan` as a reverse associative scan
+    (Särkkä & García-Fernández, IEEE TAC 2021)."""
+    E, g, C = elements
+    if scan is not None and scan.parallel:
+        _, ms, Ps = scan.associative_scan(jax.vmap(combine), (E, g, C), reverse=True)
+        return _smoothed(filtered, E, ms, Ps)
+
+    def step(carry, x):
+        m, P = carry
+        E, g, C = x
+        m, P = _mv(E, m) + g, _sym(_sandwich(E, P) + C)
+        return (m, P), (m, P)
+
+    init = (g[-1], C[-1])
+    _, (ms, Ps) = lax.scan(step, init, (E[:-1], g[:-1], C[:-1]), reverse=True)
+    ms = jnp.concatenate([ms, init[0][None]])
+    Ps = jnp.concatenate([Ps, init[1][None]])
+    return _smoothed(filtered, E, ms, Ps)
+
+
 def smooth_parallel(
     model: _Model, filtered: KalmanFilterResult, factors: Array, scan: AbstractScan
 ) -> KalmanSmootherResult:
-    """The same elements as a reverse associative scan (Särkkä & García-Fernández,
-    IEEE TAC 2021)."""
-    E, g, C = smoother_elements(model, filtered, factors)
-    _, ms, Ps = scan.associative_scan(jax.vmap(combine), (E, g, C), reverse=True)
-    return _smoothed(filtered, E, ms, Ps)
+    """The same elements as a reverse associative scan (`smooth_elements`)."""
+    return smooth_elements(filtered, smoother_elements(model, filtered, factors), scan)

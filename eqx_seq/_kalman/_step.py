@@ -20,6 +20,7 @@ from ._linalg import (
     _mv,
     _sandwich,
     _sym,
+    tria,
     tril_inverse_by_rows,
 )
 from ._problem import _Model, _per_step, _Problem
@@ -46,6 +47,17 @@ def first_prediction(model: _Model, c: Array | None) -> tuple[Array, Array]:
     F1 = model.F[0] if _per_step(model.F, 2) else model.F
     L_Q1 = model.L_Q[0] if _per_step(model.L_Q, 2) else model.L_Q
     return _predict(model.m0, P0, F1, L_Q1, None if c is None else c[0])
+
+
+def first_factor(model: _Model, c: Array | None) -> tuple[Array, Array]:
+    """`first_prediction` in square-root form: the predicted mean of `x_1` and a
+    factor of its covariance, `tria([F_1 L_P0, L_Q1])` (no cancellation)."""
+    if model.prior_at == "x1":
+        return model.m0, model.L_P0
+    F1 = model.F[0] if _per_step(model.F, 2) else model.F
+    L_Q1 = model.L_Q[0] if _per_step(model.L_Q, 2) else model.L_Q
+    m = _mv(F1, model.m0) if c is None else _mv(F1, model.m0) + c[0]
+    return m, tria(jnp.concatenate([_mm(F1, model.L_P0), L_Q1], axis=1))
 
 
 def _update(m: Array, P: Array, y: Array, Hw: Array, obs: Array):

@@ -1,0 +1,247 @@
+"""The Kalman filter, smoother and log-likelihood with the time axis split over
+devices (`eqx_seq.ShardedScan` inside `jax.shard_map`): against the textbook NumPy
+filter and smoother of `kalman_helpers`, and against one device.
+
+On the two CPU devices of `conftest.py`; on eight forced CPU devices in a
+subprocess (its own JAX configuration).
+"""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import jax.random as jr
+import numpy as np
+import pytest
+from jax.sharding import Mesh, PartitionSpec as P
+from kalman_helpers import build, case, reference, STEADY_T
+
+import eqx_seq
+
+
+pytestmark = pytest.mark.skipif(
+    jax.device_count() < 2, reason="needs two devices (conftest.py asks for them)"
+)
+
+INNER = {
+    "sequential": eqx_seq.SequentialScan(),
+    "associative": eqx_seq.AssociativeScan(),
+}
+
+
+def _specs(kf):
+    """The filter's time-varying matrices split like the observations."""
+    return jax.tree.map(lambda x: P("seq") if x.ndim == 3 else P(), kf)
+
+
+def _run(kf, method, ys, us=None, out_specs=P("seq")):
+    mesh = Mesh(np.array(jax.devices()[:2]), ("seq",))
+    us_spec = None if us is None else P("seq")
+    fn = jax.shard_map(
+        lambda kf, ys, us: method(kf, ys, us),
+        mesh=mesh,
+        in_specs=(_specs(kf), P("seq"), us_spec),
+        out_specs=out_specs,
+    )
+    return jax.jit(fn)(kf, ys, us)
+
+
+def _filtered(kf, ys, us):
+    r = kf.filter(ys, us=us)
+    per_step = (r.means, r.covs, r.predicted_means, r.predicted_covs)
+    return (*per_step, r.log_likelihoods), r.log_likelihood
+
+
+def _smoothed(kf, ys, us):
+    r = kf.smooth(ys, us=us)
+    return (r.means, r.covs, r.cross_covs), r.filtered.log_likelihood
+
+
+def _trim(model, T):
+    return {k: v[:T] if np.ndim(v) == 3 else v for k, v in model.items()}
+
+
+@pytest.mark.parametrize("inner", list(INNER))
+@pytest.mark.parametrize("name", ["plain", "all"])
+def test_filter_and_smoother(name, inner):
+    """Every per-step output of the filter and the smoother, and the
+    log-likelihood, equal the textbook filter's on the whole sequence: time-varying
+    matrices split like the data, controls, missing entries (a whole step too)."""
+    model, ys, us = case(name)
+    T = 36  # even: two blocks of 18
+    model, ys = _trim(model, T), ys[:T]
+    us = None if us is None else us[:T]
+    f, sm, sP, cross = reference(model, ys, us)
+    kf = build(model, eqx_seq.ShardedScan("seq", INNER[inner]))
+    (r, ll) = _run(kf, _filtered, ys, us, out_specs=(P("seq"), P()))
+    tol = dict(rtol=1e-8, atol=1e-9)
+    for got, want in zip(r, (f["m"], f["P"], f["mp"], f["Pp"], f["ll"])):
+        np.testing.assert_allclose(got, want, **tol)
+    np.testing.assert_allclose(ll, f["ll"].sum(), **tol)
+    (means, covs, crosses), ll = _run(kf, _smoothed, ys, us, (P("seq"), P()))
+    np.testing.assert_allclose(means, sm, **tol)
+    np.testing.assert_allclose(covs, sP, **tol)
+    # a row per step: the first block's last row is the cross-covariance across the
+    # boundary, the last block's last row is zero
+    np.testing.assert_allclose(crosses[:-1], cross, **tol)
+    np.testing.assert_array_equal(crosses[-1], 0)
+    np.testing.assert_allclose(ll, f["ll"].sum(), **tol)
+
+
+@pytest.mark.parametrize("inner", list(INNER))
+@pytest.mark.parametrize("name", ["plain", "all"])
+def test_log_likelihood_gradient(name, inner):
+    """The gradient of the split log-likelihood with respect to every parameter
+    (the time-varying ones come back split) equals one device's."""
+    model, ys, us = case(name, seed=1)
+    T = 36
+    model, ys = _trim(model, T), ys[:T]
+    us = None if us is None else us[:T]
+    one = build(model, eqx_seq.SequentialScan())
+    split = build(model, eqx_seq.ShardedScan("seq", INNER[inner]))
+    params, static = eqx.partition(split, eqx.is_inexact_array)
+    mesh = Mesh(np.array(jax.devices()[:2]), ("seq",))
+    ll = jax.shard_map(
+        lambda p, ys, us: eqx.combine(p, static).log_likelihood(ys, us=us),
+        mesh=mesh,
+        in_specs=(_specs(params), P("seq"), None if us is None else P("seq")),
+        out_specs=P(),
+    )
+    value, grads = jax.jit(jax.value_and_grad(ll))(params, ys, us)
+    value1, grads1 = eqx.filter_value_and_grad(lambda kf: kf.log_likelihood(ys, us=us))(
+        one
+    )
+    np.testing.assert_allclose(value, value1, rtol=1e-10)
+    for g, g1 in zip(jax.tree.leaves(grads), jax.tree.leaves(grads1)):
+        np.testing.assert_allclose(g, g1, rtol=1e-7, atol=1e-9)
+
+
+@pytest.mark.parametrize(
+    "options",
+    [{"prior_at": "x1"}, {"initialization": "stationary"}],
+    ids=["prior_at_x1", "stationary"],
+)
+def test_prior_options(options):
+    model, ys, _ = case("missing", seed=2)
+    ys = ys[:36]
+    f = build(model, eqx_seq.SequentialScan(), **options).filter(ys)
+    kf = build(model, eqx_seq.ShardedScan("seq"), **options)
+    r, ll = _run(kf, _filtered, ys, out_specs=(P("seq"), P()))
+    np.testing.assert_allclose(r[0], f.means, rtol=1e-9, atol=1e-10)
+    np.testing.assert_allclose(r[1], f.covs, rtol=1e-9, atol=1e-10)
+    np.testing.assert_allclose(ll, f.log_likelihood, rtol=1e-10)
+
+
+def test_steady_state_blocks():
+    """A time-invariant model with complete data long enough for every block to
+    settle: the blocks run the steady-state filter from the state before them."""
+    rng = np.random.default_rng(3)
+    model, _, _ = case("plain", seed=3)
+    ys = rng.normal(size=(4 * STEADY_T, 2))
+    one = build(model, eqx_seq.SequentialScan())
+    kf = build(model, eqx_seq.ShardedScan("seq"))
+    r, ll = _run(kf, _filtered, ys, out_specs=(P("seq"), P()))
+    f = one.filter(ys)
+    np.testing.assert_allclose(r[0], f.means, rtol=1e-9, atol=1e-10)
+    np.testing.assert_allclose(ll, f.log_likelihood, rtol=1e-10)
+    (means, covs, _), _ = _run(kf, _smoothed, ys, out_specs=(P("seq"), P()))
+    s = one.smooth(ys)
+    np.testing.assert_allclose(means, s.means, rtol=1e-9, atol=1e-10)
+    np.testing.assert_allclose(covs, s.covs, rtol=1e-9, atol=1e-10)
+
+
+def test_bad_input():
+    model, ys, _ = case("plain")
+    scan = eqx_seq.ShardedScan("seq")
+    with pytest.raises(ValueError, match='"diffuse" does not run on a time axis'):
+        build(model, scan, initialization="diffuse")
+    kf = build(model, scan)
+    with pytest.raises(ValueError, match="inside `jax.shard_map`"):
+        kf.filter(ys)
+    with pytest.raises(ValueError, match="fit_em does not run on a time axis"):
+        kf.fit_em(ys, num_iters=1)
+    with pytest.raises(ValueError, match="forecast does not run on a time axis"):
+        kf.forecast(ys, horizon=2)
+    with pytest.raises(ValueError, match="posterior_sample does not run"):
+        kf.posterior_sample(jr.key(0), ys, 2)
+    # time-varying matrices not split like the observations
+    tv, ys_tv, _ = case("time_varying")
+    tv, ys_tv = _trim(tv, 36), ys_tv[:36]
+    kf_tv = build(tv, scan)
+    mesh = Mesh(np.array(jax.devices()[:2]), ("seq",))
+    unsplit = jax.shard_map(
+        lambda kf, ys: kf.filter(ys).means,
+        mesh=mesh,
+        in_specs=(P(), P("seq")),
+        out_specs=P("seq"),
+    )
+    with pytest.raises(ValueError, match="split the time-varying matrices"):
+        unsplit(kf_tv, ys_tv)
+    # the model's length is the whole sequence's
+    with pytest.raises(ValueError, match="time-varying with 36 steps"):
+        _run(kf_tv, _filtered, jnp.concatenate([ys_tv, ys_tv]), out_specs=P())
+
+
+_EIGHT_DEVICES = textwrap.dedent(
+    """
+    import jax
+    jax.config.update("jax_num_cpu_devices", 8)
+    jax.config.update("jax_enable_x64", True)
+    import equinox as eqx, jax.numpy as jnp, numpy as np
+    from jax.sharding import Mesh, PartitionSpec as P
+    import eqx_seq
+    from kalman_helpers import build, case
+
+    mesh = Mesh(np.array(jax.devices()), ("seq",))
+    model, ys, us = case("all", seed=4)
+    T = 32
+    model = {k: v[:T] if np.ndim(v) == 3 else v for k, v in model.items()}
+    ys, us = ys[:T], us[:T]
+    one = build(model, eqx_seq.SequentialScan())
+    worst = 0.0
+    for inner in (eqx_seq.SequentialScan(), eqx_seq.AssociativeScan()):
+        kf = build(model, eqx_seq.ShardedScan("seq", inner))
+        params, static = eqx.partition(kf, eqx.is_inexact_array)
+        specs = jax.tree.map(lambda x: P("seq") if x.ndim == 3 else P(), params)
+        def run(p, ys, us):
+            kf = eqx.combine(p, static)
+            s = kf.smooth(ys, us=us)
+            return s.filtered.means, s.means, s.covs, s.filtered.log_likelihood
+        split = jax.jit(jax.shard_map(run, mesh=mesh, in_specs=(specs, P("seq"),
+            P("seq")), out_specs=(P("seq"),) * 3 + (P(),)))
+        s = one.smooth(ys, us=us)
+        want = (s.filtered.means, s.means, s.covs, s.filtered.log_likelihood)
+        for x, y in zip(split(params, ys, us), want):
+            worst = max(worst, float(jnp.max(jnp.abs(x - y))))
+        ll = jax.shard_map(
+            lambda p, ys, us: eqx.combine(p, static).log_likelihood(ys, us=us),
+            mesh=mesh, in_specs=(specs, P("seq"), P("seq")), out_specs=P())
+        g = jax.jit(jax.grad(ll))(params, ys, us)
+        g1 = eqx.filter_grad(lambda kf: kf.log_likelihood(ys, us=us))(one)
+        for x, y in zip(jax.tree.leaves(g), jax.tree.leaves(g1)):
+            worst = max(worst, float(jnp.max(jnp.abs(x - y))))
+    print("max abs difference", worst)
+    assert worst < 1e-8, worst
+    """
+)
+
+
+def test_eight_devices():
+    """Eight blocks of four steps (eight forced CPU devices, in a subprocess):
+    the filter, the smoother and the log-likelihood's gradient against one
+    device, on a time-varying model with controls and missing entries."""
+    here = os.path.dirname(__file__)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([here, *sys.path])}
+    out = subprocess.run(
+        [sys.executable, "-c", _EIGHT_DEVICES],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=400,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "max abs difference" in out.stdout
