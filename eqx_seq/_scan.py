@@ -403,7 +403,8 @@ _SPLITS_TIME_USERS = (
     "`eqx_seq.LRU` and `eqx_seq.RGLRU` (their calls and `final_state`, and S5's "
     "and LRU's `parameter_jacobians`), `eqx_seq.selective_scan`, `eqx_seq.Mamba`, "
     "`eqx_seq.MambaBlock`, `eqx_seq.HawkBlock`, and `eqx_seq.S5Block`, "
-    "`eqx_seq.LanguageModel` and `eqx_seq.SequenceClassifier` around them"
+    "`eqx_seq.LanguageModel` and `eqx_seq.SequenceClassifier` around them; "
+    "`eqx_seq.KalmanFilter` (`filter`, `log_likelihood`, `smooth`)"
 )
 
 
