@@ -50,7 +50,8 @@ class KalmanFilter(_Predictive):
     `scan` selects the algorithm: a sequential backend ([`eqx_seq.SequentialScan`][])
     runs the filter (with a steady-state shortcut) and the smoother in a loop; a
     parallel one ([`eqx_seq.AssociativeScan`][]) those of Särkkä & García-Fernández
-    (IEEE TAC 2021) in its `associative_scan`. Both propagate Cholesky factors of
+    (IEEE TAC 2021) in its `associative_scan`; [`eqx_seq.ShardedScan`][] splits one
+    series over devices, a block each. All propagate Cholesky factors of
     the covariances (square-root form), which keeps float32 accurate when a vague
     prior meets precise observations. The log-likelihood is differentiated by
     Fisher's identity. See `docs/usage/kalman.md`.

@@ -30,7 +30,9 @@ class KalmanSmootherResult(eqx.Module):
     `means[t-1]` and `covs[t-1]` are the smoothed `E[x_t | y_1..y_T]` and
     `Cov[x_t | y_1..y_T]`; `cross_covs[t-1]` is `Cov[x_t, x_{t+1} | y_1..y_T]` for
     `t < T` (what EM needs); `filtered` is the filter's result, log-likelihood
-    included.
+    included. With the time axis split over devices ([`eqx_seq.ShardedScan`][]),
+    each device's `cross_covs` has a row per step, the last being the one across
+    the boundary with the next block (zero on the last device).
     """
 
     means: Float[Array, "T n"]
