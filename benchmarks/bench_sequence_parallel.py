@@ -7,7 +7,12 @@ gradient (a sum of the states weighted by a fixed array, w.r.t. every input):
 
 - `linear_recurrence`, T = 10^6, state 64, a time-varying decay and `h0`;
 - an `S5` layer (8 features, 64 states), T = 2 * 10^5, gradient w.r.t. its
-  parameters and the input.
+  parameters and the input;
+- a `Mamba` layer (16 features), T = 10^5, the same;
+- `KalmanFilter.log_likelihood` (state 4, 2 observations), T = 10^6, and its
+  gradient w.r.t. every parameter: complete data (one device takes the
+  steady-state shortcut) and one entry in 97 missing (every step exact). One
+  device's gradient uses Fisher's identity, the split one plain autodiff.
 
 "speed-up" is the one-device time over the sharded one. The recurrence streams its
 inputs and states through memory, so the run first measures the ceiling: an
@@ -23,7 +28,8 @@ bytes each device receives per exchange (`D * 2|S|` numbers by the gather,
 
     python benchmarks/bench_sequence_parallel.py               # 1 vs 2 devices
     python benchmarks/bench_sequence_parallel.py --devices 8   # the exchanges
-    python benchmarks/bench_sequence_parallel.py --devices 8 --quick  # runs?
+    python benchmarks/bench_sequence_parallel.py --quick       # runs?
+    python benchmarks/bench_sequence_parallel.py --devices 8 --quick
 """
 
 import argparse
@@ -126,6 +132,60 @@ def s5_programs(T: int, num_devices: int):
         loss = lambda p, x, run=run, w=w_: jnp.sum(run(p, x) * w)
         progs[f"{label}: forward"] = (jax.jit(run), tuple(args))
         progs[f"{label}: grad"] = (jax.jit(jax.grad(loss, argnums=(0, 1))), tuple(args))
+    return progs
+
+
+def mamba_programs(T: int, num_devices: int):
+    """A `Mamba` layer (16 features, 16 states per channel, expand 2)."""
+    x = jr.normal(jr.key(3), (T, 16), jnp.float32)
+    w = jr.normal(jr.key(4), (T, 16), jnp.float32)
+    mesh = Mesh(np.array(jax.devices()[:num_devices]), ("seq",))
+    progs = {}
+    for label, scan in (
+        ("one device", eqx_seq.SequentialScan()),
+        ("sharded", eqx_seq.ShardedScan("seq", eqx_seq.SequentialScan())),
+    ):
+        layer = eqx_seq.Mamba(16, scan=scan, dtype=jnp.float32, key=jr.key(0))
+        params, static = eqx.partition(layer, eqx.is_inexact_array)
+        run = lambda p, x, static=static: eqx.combine(p, static)(x)
+        args, w_ = (params, x), w
+        if label == "sharded":
+            run = jax.shard_map(
+                run, mesh=mesh, in_specs=(P(), P("seq")), out_specs=P("seq")
+            )
+            *args, w_ = _put(mesh, (P(), P("seq"), P("seq")), (params, x, w))
+        loss = lambda p, x, run=run, w=w_: jnp.sum(run(p, x) * w)
+        progs[f"{label}: forward"] = (jax.jit(run), tuple(args))
+        progs[f"{label}: grad"] = (jax.jit(jax.grad(loss, argnums=(0, 1))), tuple(args))
+    return progs
+
+
+def kalman_programs(T: int, num_devices: int, *, missing: bool):
+    """`KalmanFilter.log_likelihood` (state 4, 2 observations) and its gradient
+    with respect to every parameter; with `missing`, one entry in 97 is NaN, so
+    that one device runs every step exactly (no steady state)."""
+    kf = eqx_seq.KalmanFilter(
+        4, 2, scan=eqx_seq.SequentialScan(), dtype=jnp.float32, key=jr.key(0)
+    )
+    ys = kf.sample(jr.key(1), T)[1]
+    if missing:
+        ys = ys.at[::97, 0].set(jnp.nan)
+    mesh = Mesh(np.array(jax.devices()[:num_devices]), ("seq",))
+    progs = {}
+    for label, scan in (
+        ("one device", eqx_seq.SequentialScan()),
+        ("sharded", eqx_seq.ShardedScan("seq", eqx_seq.SequentialScan())),
+    ):
+        params, static = eqx.partition(
+            eqx.tree_at(lambda k: k.scan, kf, scan), eqx.is_inexact_array
+        )
+        ll = lambda p, ys, static=static: eqx.combine(p, static).log_likelihood(ys)
+        args = (params, ys)
+        if label == "sharded":
+            ll = jax.shard_map(ll, mesh=mesh, in_specs=(P(), P("seq")), out_specs=P())
+            args = _put(mesh, (P(), P("seq")), args)
+        progs[f"{label}: forward"] = (jax.jit(ll), args)
+        progs[f"{label}: grad"] = (jax.jit(jax.grad(ll)), args)
     return progs
 
 
@@ -243,8 +303,8 @@ def main():
     parser.add_argument(
         "--quick",
         action="store_true",
-        help="with --devices 8: a short sequence and one repeat, to check that it "
-        "runs (JSON only to --json)",
+        help="short sequences (with --devices 8, and one repeat), to check that "
+        "it runs (JSON only to --json)",
     )
     args = parser.parse_args()
     info = machine()
@@ -262,20 +322,36 @@ def main():
         payload = {"machine": info, "scaling": scaling(10**6, 64, args.repeats)}
         write_json(args.json or results_path("sequence_parallel_scaling"), payload)
         return
-    payload = {
-        "machine": info,
-        "stream": stream_ceiling(2, args.repeats),
-        "recurrence": compare(
-            "linear_recurrence, T = 10^6, state 64, float32: 1 vs 2 devices",
-            recurrence_programs(10**6, 64, 2),
-            args.repeats,
+    # --quick: short sequences, to check that the script runs
+    size = (lambda n: max(n // 1000, 512)) if args.quick else (lambda n: n)
+    payload = {"machine": info, "stream": stream_ceiling(2, args.repeats)}
+    workloads = {
+        "recurrence": (
+            f"linear_recurrence, T = {size(10**6)}, state 64",
+            recurrence_programs(size(10**6), 64, 2),
         ),
-        "s5": compare(
-            "S5 (8 features, 64 states), T = 2*10^5, float32: 1 vs 2 devices",
-            s5_programs(200_000, 2),
-            args.repeats,
+        "s5": (
+            f"S5 (8 features, 64 states), T = {size(200_000)}",
+            s5_programs(size(200_000), 2),
+        ),
+        "mamba": (
+            f"Mamba (16 features, 16 states, expand 2), T = {size(100_000)}",
+            mamba_programs(size(100_000), 2),
+        ),
+        "kalman": (
+            f"Kalman log-likelihood (state 4, 2 obs), T = {size(10**6)}",
+            kalman_programs(size(10**6), 2, missing=False),
+        ),
+        "kalman_missing": (
+            f"Kalman log-likelihood (state 4, 2 obs, 1 entry in 97 missing), "
+            f"T = {size(10**6)}",
+            kalman_programs(size(10**6), 2, missing=True),
         ),
     }
+    for key, (title, progs) in workloads.items():
+        payload[key] = compare(f"{title}, float32: 1 vs 2 devices", progs, args.repeats)
+    if args.quick and not args.json:  # recorded results are not overwritten
+        return
     write_json(args.json or results_path("sequence_parallel"), payload)
 
 

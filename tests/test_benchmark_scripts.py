@@ -23,6 +23,7 @@ EXPECTED = {
         "check: ours, sequential = plain S6",
         "check: ours, associative = plain RG-LRU (lax.scan)",
     ],
+    "sequence_parallel": ["linear_recurrence", "Mamba", "Kalman log-likelihood"],
 }
 
 
