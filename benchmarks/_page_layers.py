@@ -349,13 +349,16 @@ def selective_plot(p, ax):
 _SP_WORK = {
     "recurrence": "`linear_recurrence`, T = 10^6, state 64",
     "s5": "`S5`, T = 2·10^5",
+    "mamba": "`Mamba` (16 features), T = 10^5",
+    "kalman": "Kalman log-likelihood, state 4, T = 10^6",
+    "kalman_missing": "the same, 1 entry in 97 missing",
 }
 
 
 def sequence_parallel_tables(p):
     rows = []
     for work, label in _SP_WORK.items():
-        for what, r in p[work].items():
+        for what, r in p.get(work, {}).items():
             mib = r["mib_per_device"]
             rows.append(
                 [
@@ -385,7 +388,7 @@ def sequence_parallel_tables(p):
 
 
 def sequence_parallel_summary(p):
-    runs = [r for work in _SP_WORK for r in p[work].values()]
+    runs = [r for work in _SP_WORK for r in p.get(work, {}).values()]
     mem = [
         r["mib_per_device"]["sharded"] / r["mib_per_device"]["one device"] for r in runs
     ]
@@ -398,29 +401,37 @@ def sequence_parallel_summary(p):
 def sequence_parallel_scaling_tables(p):
     rows = [
         [
-            n,
+            *key.split(" "),
             ms(r["forward"]["median_ms"]),
             ms(r["grad"]["median_ms"]),
+            f"{r['exchange']['median_ms']:.3f}",
             r["bytes_forward"],
         ]
-        for n, r in p["scaling"].items()
+        for key, r in p["scaling"].items()
     ]
     out = [
         "`linear_recurrence` with `ShardedScan`, T = 10^6, state 64, float32, on "
         "forced CPU devices that share the machine's two cores (how the exchange "
-        "scales, not a speed-up); bytes: what one device receives in the forward "
-        "pass's gather, from the collective's shapes.",
+        "scales, not a speed-up), with each `exchange`; 'exchange ms': the "
+        "recurrence with one step per device (the exchange alone); bytes: what one "
+        "device receives per exchange in the forward pass, from the collectives' "
+        "shapes.",
         "",
     ]
     return out + table(
-        "devices | forward ms | gradient ms | gathered bytes/device", rows
+        "devices | exchange | forward ms | gradient ms | exchange ms | "
+        "received bytes/device",
+        rows,
+        left=2,
     )
 
 
 def sequence_parallel_scaling_summary(p):
     runs = p["scaling"]
-    last = max(runs, key=int)
+    last = max({int(k.split(" ")[0]) for k in runs})
+    one = runs["1 all_gather"]["forward"]["median_ms"]
     return (
-        f"forward {ms(runs['1']['forward']['median_ms'])} ms on 1 device, "
-        f"{ms(runs[last]['forward']['median_ms'])} ms on {last}"
+        f"forward {ms(one)} ms on 1 device, on {last}: "
+        f"{ms(runs[f'{last} all_gather']['forward']['median_ms'])} ms (all_gather), "
+        f"{ms(runs[f'{last} ppermute']['forward']['median_ms'])} ms (ppermute)"
     )

@@ -75,15 +75,17 @@ BENCHES = {
     "sequence_parallel": dict(
         title="Sequence parallelism",
         what="One sequence split along time over two CPU devices (`ShardedScan`) "
-        "against one device: `linear_recurrence` and an `S5` layer, forward and "
-        "gradient, time and memory per device.",
+        "against one device: `linear_recurrence`, an `S5` and a `Mamba` layer, and "
+        "the Kalman log-likelihood, forward and gradient, time and memory per "
+        "device.",
         tables=layers.sequence_parallel_tables,
         summary=layers.sequence_parallel_summary,
     ),
     "sequence_parallel_scaling": dict(
         title="Sequence parallelism: the exchange on more devices",
         script="bench_sequence_parallel.py --devices 8",
-        what="`ShardedScan` on 1, 2, 4 and 8 forced CPU devices.",
+        what="`ShardedScan` on 1, 2, 4 and 8 forced CPU devices, with each "
+        "exchange (`all_gather`, `ppermute`).",
         tables=layers.sequence_parallel_scaling_tables,
         summary=layers.sequence_parallel_scaling_summary,
     ),

@@ -274,3 +274,64 @@ def test_eight_devices():
     )
     assert out.returncode == 0, out.stderr[-3000:]
     assert "max abs difference" in out.stdout
+
+
+_EIGHT_DEVICES_LAYERS = textwrap.dedent(
+    """
+    import jax
+    jax.config.update("jax_num_cpu_devices", 8)
+    jax.config.update("jax_enable_x64", True)
+    import equinox as eqx, jax.numpy as jnp, jax.random as jr, numpy as np
+    from jax.sharding import Mesh, PartitionSpec as P
+    import eqx_seq
+
+    mesh = Mesh(np.array(jax.devices()), ("seq",))
+    makers = {
+        "s5-bidirectional": lambda scan: eqx_seq.S5(
+            3, 6, bidirectional=True, scan=scan, key=jr.key(0)),
+        "lru": lambda scan: eqx_seq.LRU(3, 6, scan=scan, key=jr.key(0)),
+        "hawk": lambda scan: eqx_seq.HawkBlock(3, scan=scan, key=jr.key(0)),
+        "classifier": lambda scan: eqx_seq.SequenceClassifier(
+            3, 2, width=4, depth=1, state_size=4, pooling="last", scan=scan,
+            key=jr.key(0)),
+    }
+    x = jr.normal(jr.key(1), (40, 3))
+    mask = jnp.arange(40) < 29  # the last valid step on the sixth device
+    worst = {}
+    for name, make in makers.items():
+        one = make(eqx_seq.SequentialScan())
+        split_layer = make(eqx_seq.ShardedScan("seq"))
+        params, static = eqx.partition(split_layer, eqx.is_inexact_array)
+        cls = name == "classifier"
+        kw = lambda m: {"mask": m} if cls else {}
+        run = lambda s: lambda p, x, m: eqx.combine(p, s)(x, **kw(m))
+        split = jax.shard_map(run(static), mesh=mesh,
+                              in_specs=(P(), P("seq"), P("seq")),
+                              out_specs=P() if cls else P("seq"))
+        p1, s1 = eqx.partition(one, eqx.is_inexact_array)
+        loss = lambda f: lambda p, x: jnp.sum(jnp.sin(f(p, x, mask)))
+        pairs = [(jax.jit(split)(params, x, mask), run(s1)(p1, x, mask))]
+        pairs += zip(jax.tree.leaves(jax.jit(jax.grad(loss(split)))(params, x)),
+                     jax.tree.leaves(jax.grad(loss(run(s1)))(p1, x)))
+        worst[name] = max(float(jnp.max(jnp.abs(a - b))) for a, b in pairs)
+    print("max abs difference", worst)
+    assert max(worst.values()) < 1e-9, worst
+    """
+)
+
+
+def test_eight_devices_layers():
+    """The layers on eight blocks (eight forced CPU devices, in a subprocess): a
+    bidirectional S5, an LRU, a Hawk block (its convolution's halo) and a
+    classifier pooling the last valid step; outputs and parameter gradients
+    against one device."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    out = subprocess.run(
+        [sys.executable, "-c", _EIGHT_DEVICES_LAYERS],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=400,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "max abs difference" in out.stdout

@@ -136,12 +136,24 @@ def test_prior_options(options):
     np.testing.assert_allclose(ll, f.log_likelihood, rtol=1e-10)
 
 
-def test_steady_state_blocks():
-    """A time-invariant model with complete data long enough for every block to
-    settle: the blocks run the steady-state filter from the state before them."""
+@pytest.mark.parametrize("settles", [True, False], ids=["settles", "falls_back"])
+def test_steady_state_blocks(settles):
+    """A time-invariant model with complete data and blocks long enough to settle:
+    each block's element uses the steady-state filter's tail (closed-form linear
+    part), or, for a covariance still moving after the exact head (a slow, barely
+    observed state), falls back to every step exact. Filter, smoother, and the
+    log-likelihood with its gradient against one device."""
     rng = np.random.default_rng(3)
-    model, _, _ = case("plain", seed=3)
-    ys = rng.normal(size=(4 * STEADY_T, 2))
+    if settles:
+        model, _, _ = case("plain", seed=3)
+    else:
+        c, s = np.cos(0.01), np.sin(0.01)
+        model = dict(
+            F=0.9995 * np.array([[c, -s], [s, c]]), H=np.array([[0.02, 0.01]]),
+            Q=1e-3 * np.eye(2), R=np.eye(1), m0=np.zeros(2), P0=np.eye(2),
+        )  # fmt: skip
+    p = model["H"].shape[0]
+    ys = rng.normal(size=(4 * STEADY_T, p))
     one = build(model, eqx_seq.SequentialScan())
     kf = build(model, eqx_seq.ShardedScan("seq"))
     r, ll = _run(kf, _filtered, ys, out_specs=(P("seq"), P()))
@@ -152,6 +164,22 @@ def test_steady_state_blocks():
     s = one.smooth(ys)
     np.testing.assert_allclose(means, s.means, rtol=1e-9, atol=1e-10)
     np.testing.assert_allclose(covs, s.covs, rtol=1e-9, atol=1e-10)
+    params, static = eqx.partition(kf, eqx.is_inexact_array)
+    mesh = Mesh(np.array(jax.devices()[:2]), ("seq",))
+    split_ll = jax.shard_map(
+        lambda p, ys: eqx.combine(p, static).log_likelihood(ys),
+        mesh=mesh,
+        in_specs=(P(), P("seq")),
+        out_specs=P(),
+    )
+    value, grads = jax.jit(jax.value_and_grad(split_ll))(params, ys)
+    # one device: plain autodiff through the filter (Fisher's identity, its
+    # `log_likelihood`'s gradient, agrees only to about 1e-6 on the slow model)
+    loss = lambda kf: kf.filter(ys).log_likelihood
+    value1, grads1 = eqx.filter_jit(eqx.filter_value_and_grad(loss))(one)
+    np.testing.assert_allclose(value, value1, rtol=1e-10)
+    for g, g1 in zip(jax.tree.leaves(grads), jax.tree.leaves(grads1)):
+        np.testing.assert_allclose(g, g1, rtol=1e-8, atol=1e-10)
 
 
 def test_bad_input():

@@ -5,6 +5,7 @@ the other."""
 from collections.abc import Callable
 from typing import TYPE_CHECKING, TypeVar
 
+import jax
 import jax.lax as lax
 import jax.numpy as jnp
 from jaxtyping import Array
@@ -43,19 +44,27 @@ def backend(
 
 
 def by_whitening(
-    ys: Array, scan: AbstractScan, work: Callable[[Whitening], _Out]
+    ys: Array,
+    scan: AbstractScan,
+    work: Callable[[Whitening], _Out],
+    *,
+    remat: bool = False,
 ) -> _Out:
     """`work(whitening)` with the whitening that suits the data and the backend.
 
     With complete data `W` is one constant matrix: for the sequential backend `work`
     runs in one branch of a `lax.cond` per case (so that the loop keeps `W` outside);
     for the parallel backend only the whitening is cond'ed (inside `prepare`), so
-    that the (slow to compile) parallel program appears once.
+    that the (slow to compile) parallel program appears once. With `remat`, for
+    plain autodiff through it, both branches are rematerialised: reverse mode
+    through a `cond` keeps the residuals of both branches, the one not taken too.
     """
     if scan.parallel:
         return work("either")
-    complete = _all_observed(~jnp.isnan(ys))
-    return lax.cond(complete, lambda: work("complete"), lambda: work("missing"))
+    branches = [lambda w=w: work(w) for w in ("complete", "missing")]
+    if remat:
+        branches = [jax.checkpoint(b) for b in branches]
+    return lax.cond(_all_observed(~jnp.isnan(ys)), *branches)
 
 
 def filter_problem(

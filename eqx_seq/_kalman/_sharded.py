@@ -24,24 +24,18 @@ from .._scan import AbstractScan, check_scan
 from .._sharded_scan import _mesh_axis
 from ._dispatch import by_whitening, filter_problem
 from ._linalg import (
-    _bmm,
-    _chol,
-    _eye_like,
     _factor,
-    _mT,
     _sandwich,
     _sym,
-    inverse_cholesky,
     tria,
-    tria_gram,
     tril_inverse_by_rows,
 )
 from ._parallel import _sqrt_combine, filter_parallel
-from ._problem import _Model, _per_step, _Problem, prepare
+from ._problem import _per_step, prepare
 from ._results import KalmanFilterResult, KalmanSmootherResult
 from ._sequential import filter_exact
+from ._sharded_element import block_element, from_state
 from ._smoother import _element, combine, smooth_elements, smoother_elements
-from ._step import first_factor
 
 
 if TYPE_CHECKING:
@@ -58,52 +52,6 @@ def inner_backend(scan: "ShardedScan") -> AbstractScan:
     return check_scan(
         scan.inner, name="eqx_seq.KalmanFilter", chooses=True, pytree_scan=True
     )
-
-
-def _block_element(problem: _Problem, first: Array, inner: AbstractScan, kf):
-    """The filtering element of the whole block, `p(x_e | x_{s-1}, y_s..y_e)` and
-    the information `y_s..y_e` carry about `x_{s-1}` (`_sqrt_combine`'s form), and
-    `log p(y_s..y_e | x_{s-1} = 0)`.
-
-    Given `x_{s-1}`, the filter of the block is the inner backend's filter with the
-    covariance started at zero, and its means are affine in `x_{s-1}`: the filter
-    runs under `jax.vmap` over `n + 1` mean columns (from `0` with the data, and
-    from each unit vector without), which batches the means only, the covariances
-    being the same for all. The innovations given `x_{s-1}` are independent, so the
-    information is their sum over the steps, taken after the filter. The first
-    device's element has the prior folded in (its linear part is zero).
-    """
-    model, c = problem.model, problem.c
-    n, dtype = model.m0.shape[0], problem.yw.dtype
-    starts = jnp.concatenate([jnp.zeros((1, n), dtype), jnp.eye(n, dtype=dtype)])
-    data = jnp.zeros((n + 1,), dtype).at[0].set(1)  # the data's weight per column
-
-    def column(start, weight):
-        scaled = _Model(model.F, model.L_Q, model.H, model.m0 * weight, model.L_P0,
-                        prior_at=model.prior_at)  # fmt: skip
-        column = eqx.tree_at(
-            lambda pr: (pr.model, pr.c, pr.yw),
-            problem,
-            (scaled, None if c is None else c * weight, problem.yw * weight),
-            is_leaf=lambda x: x is None,
-        )
-        zero = jnp.zeros((n, n), dtype)
-        r = filter_problem(_from_state(column, first, start, zero), inner, kf)
-        return (r.means[-1], r.predicted_means, r.log_likelihood), (r.covs[-1],
-                r.predicted_covs)  # fmt: skip
-
-    (ms, mps, lls), (C, Pps) = jax.vmap(column, out_axes=(0, None))(starts, data)
-    Hw = problem.Hw
-    # whitened innovations of the data column, and their derivative in x_{s-1}
-    S = _bmm(_bmm(Hw, Pps), _mT(Hw))
-    W = inverse_cholesky(_sym(S) + _eye_like(S))
-    v0 = problem.yw - jnp.sum(Hw * mps[0][:, None, :], axis=-1)
-    w0 = jnp.sum(W * v0[:, None, :], axis=-1)
-    N = -_bmm(_bmm(W, Hw), jnp.moveaxis(mps[1:], 0, -1))
-    eta = -jnp.sum(N * w0[:, :, None], axis=(0, 1))
-    Z = tria_gram(N.reshape(-1, n).T)
-    element = (ms[1:].T, ms[0], _chol(C), eta, Z)
-    return element, lls[0]
 
 
 def _block_log_likelihood(element, ll0: Array, m: Array, L: Array) -> Array:
@@ -135,21 +83,6 @@ def _filtered_before(element, axis_name: str, index: Array):
     return m, L
 
 
-def _from_state(problem: _Problem, first: Array, m: Array, L: Array) -> _Problem:
-    """`problem` with step 1 predicted from the filtered state `N(m, L L^T)` before
-    the block (from the prior on the first device), as a prior of the block's step 1
-    itself (`prior_at="x1"`)."""
-    model = problem.model
-    before = _Model(model.F, model.L_Q, model.H, m, L, prior_at="x0")
-    m1, L1 = jax.tree.map(
-        lambda a, b: jnp.where(first, a, b),
-        first_factor(model, problem.c),
-        first_factor(before, problem.c),
-    )
-    model = _Model(model.F, model.L_Q, model.H, m1, L1, prior_at="x1")
-    return eqx.tree_at(lambda pr: pr.model, problem, model)
-
-
 def _exchange(kf, ys, us, scan: "ShardedScan"):
     """This block's element and `log p(y_s..y_e | x_{s-1} = 0)`, and the filtered
     state before the block from the elements of all the blocks before it."""
@@ -158,7 +91,10 @@ def _exchange(kf, ys, us, scan: "ShardedScan"):
     first = index == 0
     # the data-dependent whitening is a branch per device; the exchange stays out
     element, ll0 = by_whitening(
-        ys, inner, lambda w: _block_element(prepare(kf, ys, us, w), first, inner, kf)
+        ys,
+        inner,
+        lambda w: block_element(prepare(kf, ys, us, w), first, inner, kf),
+        remat=True,
     )
     return element, ll0, _filtered_before(element, scan.axis_name, index)
 
@@ -167,7 +103,7 @@ def _finish(kf, ys, us, scan: "ShardedScan", state, whitening):
     """The problem of this block, its step 1 predicted from the filtered `state`
     before it (from the prior on the first device)."""
     first = _mesh_axis(scan.axis_name)[1] == 0
-    return _from_state(prepare(kf, ys, us, whitening), first, *state)
+    return from_state(prepare(kf, ys, us, whitening), first, *state)
 
 
 @full_precision
@@ -190,7 +126,7 @@ def filter_sharded(
     inner = inner_backend(scan)
     _, _, state = _exchange(kf, ys, us, scan)
     run = lambda w: filter_problem(_finish(kf, ys, us, scan, state, w), inner, kf)
-    result = by_whitening(ys, inner, run)
+    result = by_whitening(ys, inner, run, remat=True)
     total = lax.psum(result.log_likelihood, scan.axis_name)
     return eqx.tree_at(lambda r: r.log_likelihood, result, total)
 
