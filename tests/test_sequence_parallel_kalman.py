@@ -182,6 +182,47 @@ def test_steady_state_blocks(settles):
         np.testing.assert_allclose(g, g1, rtol=1e-8, atol=1e-10)
 
 
+@pytest.mark.parametrize(
+    "name, chunk", [("all", 7), ("steady", 150)], ids=["exact", "steady"]
+)
+def test_chunked_elements(name, chunk, monkeypatch):
+    """A block's element computed a chunk at a time (a small `_CHUNK` here; blocks
+    of the default length need long sequences): the chunks' elements combined in
+    a loop give the one-device filter, smoother and log-likelihood gradient, with
+    exact steps (time-varying, controls, missing entries) and in the steady state
+    (a time-invariant model with complete data, chunks long enough to settle)."""
+    from eqx_seq._kalman import _sharded_element
+
+    monkeypatch.setattr(_sharded_element, "_CHUNK", chunk)
+    jax.clear_caches()  # no program traced with another chunk length is reused
+    if name == "steady":
+        model, _, _ = case("plain", seed=5)
+        ys, us = np.random.default_rng(5).normal(size=(4 * chunk * 2, 2)), None
+    else:
+        model, ys, us = case(name, seed=5)
+        model, ys, us = _trim(model, 36), ys[:36], us[:36]
+    one = build(model, eqx_seq.SequentialScan())
+    kf = build(model, eqx_seq.ShardedScan("seq"))
+    r, ll = _run(kf, _filtered, ys, us, out_specs=(P("seq"), P()))
+    f = one.filter(ys, us=us)
+    np.testing.assert_allclose(r[0], f.means, rtol=1e-9, atol=1e-10)
+    np.testing.assert_allclose(ll, f.log_likelihood, rtol=1e-10)
+    params, static = eqx.partition(kf, eqx.is_inexact_array)
+    mesh = Mesh(np.array(jax.devices()[:2]), ("seq",))
+    split_ll = jax.shard_map(
+        lambda p, ys, us: eqx.combine(p, static).log_likelihood(ys, us=us),
+        mesh=mesh,
+        in_specs=(_specs(params), P("seq"), None if us is None else P("seq")),
+        out_specs=P(),
+    )
+    grads = jax.jit(jax.grad(split_ll))(params, ys, us)
+    loss = lambda kf: kf.filter(ys, us=us).log_likelihood
+    grads1 = eqx.filter_jit(eqx.filter_grad(loss))(one)
+    for g, g1 in zip(jax.tree.leaves(grads), jax.tree.leaves(grads1)):
+        np.testing.assert_allclose(g, g1, rtol=1e-8, atol=1e-10)
+    jax.clear_caches()
+
+
 def test_bad_input():
     model, ys, _ = case("plain")
     scan = eqx_seq.ShardedScan("seq")

@@ -27,14 +27,12 @@ from ._linalg import (
     _factor,
     _sandwich,
     _sym,
-    tria,
-    tril_inverse_by_rows,
 )
 from ._parallel import _sqrt_combine, filter_parallel
 from ._problem import _per_step, prepare
 from ._results import KalmanFilterResult, KalmanSmootherResult
 from ._sequential import filter_exact
-from ._sharded_element import block_element, from_state
+from ._sharded_element import block_element, block_log_likelihood, from_state
 from ._smoother import _element, combine, smooth_elements, smoother_elements
 
 
@@ -49,23 +47,10 @@ def splits_time(scan: AbstractScan) -> bool:
 
 
 def inner_backend(scan: "ShardedScan") -> AbstractScan:
+    """The backend of each device's block, checked as `KalmanFilter` checks one."""
     return check_scan(
         scan.inner, name="eqx_seq.KalmanFilter", chooses=True, pytree_scan=True
     )
-
-
-def _block_log_likelihood(element, ll0: Array, m: Array, L: Array) -> Array:
-    """`log p(y_s..y_e | y_1..y_{s-1})` from `log p(y_s..y_e | x_{s-1} = 0)` and
-    the information `(eta, J = Z Z^T)` of the block about `x_{s-1}`, with
-    `x_{s-1} ~ N(m, L L^T)`: `ll0 + eta^T m - m^T J m / 2 - log|I + L^T J L| / 2 +
-    |Xi^{-1} L^T (eta - J m)|^2 / 2`, where `Xi Xi^T = I + L^T J L`."""
-    _, _, _, eta, Z = element
-    n = m.shape[0]
-    Xi = tria(jnp.concatenate([L.T @ Z, jnp.eye(n, dtype=m.dtype)], axis=1))
-    Zm = Z.T @ m
-    h = tril_inverse_by_rows(Xi) @ (L.T @ (eta - Z @ Zm))
-    log_det = jnp.sum(jnp.log(jnp.diagonal(Xi)))
-    return ll0 + eta @ m - 0.5 * Zm @ Zm - log_det + 0.5 * h @ h
 
 
 def _filtered_before(element, axis_name: str, index: Array):
@@ -113,7 +98,7 @@ def log_likelihood_sharded(
     """The whole sequence's log-likelihood: each block's given the filtered state
     before it, in closed form from its element, summed over the devices."""
     element, ll0, (m, L) = _exchange(kf, ys, us, scan)
-    ll = _block_log_likelihood(element, ll0, m, L)
+    ll = block_log_likelihood(element, ll0, m, L)
     return lax.psum(ll, scan.axis_name)
 
 
@@ -142,9 +127,9 @@ def _composite(elements, inner: AbstractScan):
         return combine(later, x), None
 
     last = jax.tree.map(lambda x: x[-1], elements)
-    return lax.scan(step, last, jax.tree.map(lambda x: x[:-1], elements), reverse=True)[
-        0
-    ]
+    earlier = jax.tree.map(lambda x: x[:-1], elements)
+    composite, _ = lax.scan(step, last, earlier, reverse=True)
+    return composite
 
 
 def _smoothed_after(composite, axis_name: str, index: Array):

@@ -25,10 +25,12 @@ from ._linalg import (
     _mT,
     _sym,
     inverse_cholesky,
+    tria,
     tria_gram,
+    tril_inverse_by_rows,
 )
-from ._parallel import filter_parallel
-from ._problem import _Model, _Problem
+from ._parallel import _sqrt_combine, filter_parallel
+from ._problem import _Model, _per_step, _Problem
 from ._sequential import filter_exact
 from ._steady import _dense_recurrence, _head, _may_settle, _settle, _steady_tail
 from ._step import _covariances, _predicted_covs, _sequential_step, first_factor
@@ -174,11 +176,34 @@ def _steady_element(problem: _Problem, first: Array):
     return ((power @ A_K, ms[-1], settled.S_filt, eta, Z), ll0), settled.ok
 
 
-def block_element(problem: _Problem, first: Array, inner: AbstractScan, kf):
-    """The block's element and `log p(y_s..y_e | x_{s-1} = 0)`: with a sequential
-    backend and a problem that may settle, the steady-state element where the
-    covariance settles (a `lax.cond`, exact otherwise, as the filter's own
-    fallback); else every step exact."""
+def block_log_likelihood(element, ll0: Array, m: Array, L: Array) -> Array:
+    """`log p(y_s..y_e | y_1..y_{s-1})` from `log p(y_s..y_e | x_{s-1} = 0)` and
+    the information `(eta, J = Z Z^T)` of the block about `x_{s-1}`, with
+    `x_{s-1} ~ N(m, L L^T)`: `ll0 + eta^T m - m^T J m / 2 - log|I + L^T J L| / 2 +
+    |Xi^{-1} L^T (eta - J m)|^2 / 2`, where `Xi Xi^T = I + L^T J L`."""
+    _, _, _, eta, Z = element
+    n = m.shape[0]
+    Xi = tria(jnp.concatenate([L.T @ Z, jnp.eye(n, dtype=m.dtype)], axis=1))
+    Zm = Z.T @ m
+    h = tril_inverse_by_rows(Xi) @ (L.T @ (eta - Z @ Zm))
+    log_det = jnp.sum(jnp.log(jnp.diagonal(Xi)))
+    return ll0 + eta @ m - 0.5 * Zm @ Zm - log_det + 0.5 * h @ h
+
+
+def _combine(earlier, later):
+    """The element over `(i, k]` from those over `(i, j]` and `(j, k]`, with
+    `log p(y | x_i = 0)`: given `x_i = 0`, the earlier element's `N(b, U U^T)` is
+    the prior of `x_j`, under which the later one's log-likelihood is closed
+    form."""
+    (e_i, ll_i), (e_j, ll_j) = earlier, later
+    return _sqrt_combine(e_i, e_j), ll_i + block_log_likelihood(e_j, ll_j, *e_i[1:3])
+
+
+def _element(problem: _Problem, first: Array, inner: AbstractScan, kf):
+    """The element of `problem` whole: with a sequential backend and a problem that
+    may settle, the steady-state element where the covariance settles (a
+    `lax.cond`, exact otherwise, as the filter's own fallback); else every step
+    exact."""
     if inner.parallel or not (kf._steady_state and _may_settle(problem)):
         return _exact_element(problem, first, inner)
     steady, ok = _steady_element(problem, first)
@@ -186,3 +211,54 @@ def block_element(problem: _Problem, first: Array, inner: AbstractScan, kf):
     # branches, and the exact branch's grow with the block
     exact = jax.checkpoint(lambda pr, f: _exact_element(pr, f, inner))
     return lax.cond(ok, lambda: steady, lambda: exact(problem, first))
+
+
+def _split_time(problem: _Problem, head: int, chunk: int):
+    """`problem`'s first `head` steps, and the rest as chunks of `chunk` steps
+    stacked on a leading axis (a function of one chunk's arrays to its problem)."""
+    model = problem.model
+    per_step = {
+        "obs": problem.obs, "logdet": problem.logdet, "yw": problem.yw,
+        "c": problem.c,
+        "W": problem.W if _per_step(problem.W, 2) else None,
+        "F": model.F if _per_step(model.F, 2) else None,
+        "L_Q": model.L_Q if _per_step(model.L_Q, 2) else None,
+        "H": model.H if _per_step(model.H, 2) else None,
+    }  # fmt: skip
+    per_step = {k: v for k, v in per_step.items() if v is not None}
+
+    def build(x):
+        get = lambda name, default: x[name] if name in x else default
+        md = _Model(get("F", model.F), get("L_Q", model.L_Q), get("H", model.H),
+                    model.m0, model.L_P0, prior_at=model.prior_at)  # fmt: skip
+        return _Problem(md, x.get("c"), x["obs"], get("W", problem.W), x["logdet"],
+                        x["yw"])  # fmt: skip
+
+    first = build({k: v[:head] for k, v in per_step.items()})
+    rest = {k: v[head:].reshape(-1, chunk, *v.shape[1:]) for k, v in per_step.items()}
+    return first, rest, build
+
+
+# Steps per chunk of a block's element: the element is computed a chunk at a time
+# and the chunks' elements combined in a loop, so that its per-step buffers (the
+# mean columns, the predicted covariances) and the gradient's residuals stay a
+# chunk long whatever the block's length.
+_CHUNK = 4096
+
+
+def block_element(problem: _Problem, first: Array, inner: AbstractScan, kf):
+    """The block's element and `log p(y_s..y_e | x_{s-1} = 0)`, a chunk of steps
+    at a time (`_CHUNK`; a block shorter than two chunks is one): the first chunk
+    (the first device's with the prior folded in), then the others' elements
+    combined with it in order."""
+    T = problem.num_steps
+    if T < 2 * _CHUNK:
+        return _element(problem, first, inner, kf)
+    head = T - (T // _CHUNK - 1) * _CHUNK  # between one and two chunks
+    head_problem, rest, build = _split_time(problem, head, _CHUNK)
+
+    @jax.checkpoint
+    def step(acc, x):
+        return _combine(acc, _element(build(x), False, inner, kf)), None
+
+    return lax.scan(step, _element(head_problem, first, inner, kf), rest)[0]
