@@ -7,6 +7,7 @@ import sys
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import jax.random as jr
 
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -58,3 +59,36 @@ def run_script(path: str, *args: str, timeout: float = 600, env=None) -> str:
     )
     assert out.returncode == 0, out.stdout + out.stderr
     return out.stdout
+
+
+def run_forced_devices(code: str, timeout: float = 400) -> str:
+    """Run `code` (which asks for its own `jax_num_cpu_devices`) in a fresh Python
+    process that imports this checkout's `eqx_seq` and the tests' helpers; assert
+    that it succeeds and prints its "max abs difference", and return its output."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([here, *sys.path])}
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=timeout,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "max abs difference" in out.stdout
+    return out.stdout
+
+
+def recurrence_inputs(T: int, S: tuple, varying: bool):
+    """`(a, b, h0, w)` of a diagonal recurrence of `T` steps and state shape `S`,
+    float64: a time-varying real decay, or a time-invariant complex one (a rotation
+    and decay) with complex inputs; `w` weights the states in a test's loss."""
+    k = jr.split(jr.key(0), 5)
+    a = jr.uniform(k[0], (T, *S) if varying else S, minval=-0.99, maxval=0.99)
+    b = jr.normal(k[1], (T, *S))
+    h0 = jr.normal(k[2], S)
+    if not varying:
+        a = a.astype(jnp.complex128) * jnp.exp(0.4j)
+        b = jax.lax.complex(b, jr.normal(k[3], (T, *S)))
+        h0 = h0.astype(jnp.complex128) - 0.5j
+    return a, b, h0, jr.normal(k[4], (T, *S))

@@ -5,9 +5,6 @@ In process on the two CPU devices of `conftest.py`; on eight forced CPU devices 
 subprocess (its own JAX configuration), for the exchange between many blocks.
 """
 
-import os
-import subprocess
-import sys
 import textwrap
 
 import equinox as eqx
@@ -16,6 +13,7 @@ import jax.numpy as jnp
 import jax.random as jr
 import numpy as np
 import pytest
+from helpers import recurrence_inputs, run_forced_devices
 from jax.sharding import Mesh, PartitionSpec as P
 
 import eqx_seq
@@ -61,16 +59,8 @@ def test_linear_recurrence(decay, reverse, inner):
     """Values and gradients with respect to `a`, `b` and `h0` equal the one-device
     ones, for both directions and both kinds of decay."""
     T, S = 40, (3, 2)
-    k = jr.split(jr.key(0), 5)
     varying = decay.startswith("varying")
-    a = jr.uniform(k[0], (T, *S) if varying else S, minval=-0.99, maxval=0.99)
-    b = jr.normal(k[1], (T, *S))
-    h0 = jr.normal(k[2], S)
-    if not varying:  # complex: a rotation and decay, complex inputs
-        a = a.astype(jnp.complex128) * jnp.exp(0.4j)
-        b = jax.lax.complex(b, jr.normal(k[3], (T, *S)))
-        h0 = h0.astype(jnp.complex128) - 0.5j
-    w = jr.normal(k[4], (T, *S))
+    a, b, h0, w = recurrence_inputs(T, S, varying)
     one = lambda a, b, h0: eqx_seq.linear_recurrence(
         a, b, h0, scan=INNER[inner], reverse=reverse
     )
@@ -264,16 +254,7 @@ _EIGHT_DEVICES = textwrap.dedent(
 def test_eight_devices():
     """Eight blocks (eight forced CPU devices, in a subprocess): values and
     gradients of both kinds of decay, both directions, against one device."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-    out = subprocess.run(
-        [sys.executable, "-c", _EIGHT_DEVICES],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=240,
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert "max abs difference" in out.stdout
+    run_forced_devices(_EIGHT_DEVICES, timeout=240)
 
 
 _EIGHT_DEVICES_LAYERS = textwrap.dedent(
@@ -325,13 +306,4 @@ def test_eight_devices_layers():
     bidirectional S5, an LRU, a Hawk block (its convolution's halo) and a
     classifier pooling the last valid step; outputs and parameter gradients
     against one device."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-    out = subprocess.run(
-        [sys.executable, "-c", _EIGHT_DEVICES_LAYERS],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=400,
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert "max abs difference" in out.stdout
+    run_forced_devices(_EIGHT_DEVICES_LAYERS, timeout=400)

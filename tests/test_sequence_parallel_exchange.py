@@ -7,9 +7,6 @@ devices in a subprocess (its own JAX configuration), where the `ppermute` scan t
 several rounds and, on six, a round in which some devices receive nothing.
 """
 
-import os
-import subprocess
-import sys
 import textwrap
 
 import equinox as eqx
@@ -18,6 +15,7 @@ import jax.numpy as jnp
 import jax.random as jr
 import numpy as np
 import pytest
+from helpers import recurrence_inputs, run_forced_devices
 from jax.sharding import Mesh, PartitionSpec as P
 
 import eqx_seq
@@ -61,16 +59,8 @@ def test_exchange(decay, reverse, exchange):
     `linear_recurrence` (hand-written derivatives) and of the backend's
     `recurrence` differentiated by tracing (through the exchange itself)."""
     T, S = 24, (3, 2)
-    k = jr.split(jr.key(0), 5)
     varying = decay.startswith("varying")
-    a = jr.uniform(k[0], (T, *S) if varying else S, minval=-0.99, maxval=0.99)
-    b = jr.normal(k[1], (T, *S))
-    h0 = jr.normal(k[2], S)
-    if not varying:  # complex: a rotation and decay, complex inputs
-        a = a.astype(jnp.complex128) * jnp.exp(0.4j)
-        b = jax.lax.complex(b, jr.normal(k[3], (T, *S)))
-        h0 = h0.astype(jnp.complex128) - 0.5j
-    w = jr.normal(k[4], (T, *S))
+    a, b, h0, w = recurrence_inputs(T, S, varying)
     scan = eqx_seq.ShardedScan("seq", exchange=exchange)
     specs = (P("seq") if varying else P(), P("seq"), P())
     one = lambda a, b, h0: eqx_seq.linear_recurrence(a, b, h0, reverse=reverse)
@@ -157,16 +147,7 @@ _MANY_DEVICES = textwrap.dedent(
 def test_many_devices():
     """Eight and six blocks (forced CPU devices, in a subprocess): both exchanges,
     both kinds of decay, both directions, values and gradients against one device."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-    out = subprocess.run(
-        [sys.executable, "-c", _MANY_DEVICES],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=400,
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert "max abs difference" in out.stdout
+    run_forced_devices(_MANY_DEVICES, timeout=400)
 
 
 @pytest.mark.parametrize("pooling", ["mean", "last"])

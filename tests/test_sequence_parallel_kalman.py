@@ -6,9 +6,6 @@ On the two CPU devices of `conftest.py`; on eight forced CPU devices in a
 subprocess (its own JAX configuration).
 """
 
-import os
-import subprocess
-import sys
 import textwrap
 
 import equinox as eqx
@@ -17,6 +14,7 @@ import jax.numpy as jnp
 import jax.random as jr
 import numpy as np
 import pytest
+from helpers import run_forced_devices
 from jax.sharding import Mesh, PartitionSpec as P
 from kalman_helpers import build, case, reference, STEADY_T
 
@@ -303,14 +301,4 @@ def test_eight_devices():
     """Eight blocks of four steps (eight forced CPU devices, in a subprocess):
     the filter, the smoother and the log-likelihood's gradient against one
     device, on a time-varying model with controls and missing entries."""
-    here = os.path.dirname(__file__)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([here, *sys.path])}
-    out = subprocess.run(
-        [sys.executable, "-c", _EIGHT_DEVICES],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=400,
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert "max abs difference" in out.stdout
+    run_forced_devices(_EIGHT_DEVICES, timeout=400)

@@ -10,9 +10,6 @@ forced CPU devices in a subprocess.
 """
 
 import functools as ft
-import os
-import subprocess
-import sys
 import textwrap
 
 import equinox as eqx
@@ -21,6 +18,7 @@ import jax.numpy as jnp
 import jax.random as jr
 import numpy as np
 import pytest
+from helpers import run_forced_devices
 from jax.sharding import Mesh, PartitionSpec as P
 
 import eqx_seq
@@ -371,13 +369,4 @@ _EIGHT_DEVICES = textwrap.dedent(
 def test_eight_devices():
     """Eight blocks (eight forced CPU devices, in a subprocess): a Mamba layer's
     values and gradients, with and without resets, against one device."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-    out = subprocess.run(
-        [sys.executable, "-c", _EIGHT_DEVICES],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=240,
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert "max abs difference" in out.stdout
+    run_forced_devices(_EIGHT_DEVICES, timeout=240)
