@@ -139,8 +139,8 @@ def test_steady_state_blocks(settles):
     """A time-invariant model with complete data and blocks long enough to settle:
     each block's element uses the steady-state filter's tail (closed-form linear
     part), or, for a covariance still moving after the exact head (a slow, barely
-    observed state), falls back to every step exact. Filter, smoother, and the
-    log-likelihood with its gradient against one device."""
+    observed state), falls back to every step exact. The filter, and the
+    log-likelihood with its gradient, against one device."""
     rng = np.random.default_rng(3)
     if settles:
         model, _, _ = case("plain", seed=3)
@@ -158,10 +158,6 @@ def test_steady_state_blocks(settles):
     f = one.filter(ys)
     np.testing.assert_allclose(r[0], f.means, rtol=1e-9, atol=1e-10)
     np.testing.assert_allclose(ll, f.log_likelihood, rtol=1e-10)
-    (means, covs, _), _ = _run(kf, _smoothed, ys, out_specs=(P("seq"), P()))
-    s = one.smooth(ys)
-    np.testing.assert_allclose(means, s.means, rtol=1e-9, atol=1e-10)
-    np.testing.assert_allclose(covs, s.covs, rtol=1e-9, atol=1e-10)
     params, static = eqx.partition(kf, eqx.is_inexact_array)
     mesh = Mesh(np.array(jax.devices()[:2]), ("seq",))
     split_ll = jax.shard_map(
@@ -186,7 +182,7 @@ def test_steady_state_blocks(settles):
 def test_chunked_elements(name, chunk, monkeypatch):
     """A block's element computed a chunk at a time (a small `_CHUNK` here; blocks
     of the default length need long sequences): the chunks' elements combined in
-    a loop give the one-device filter, smoother and log-likelihood gradient, with
+    a loop give the one-device log-likelihood and its gradient, with
     exact steps (time-varying, controls, missing entries) and in the steady state
     (a time-invariant model with complete data, chunks long enough to settle)."""
     from eqx_seq._kalman import _sharded_element
@@ -201,10 +197,6 @@ def test_chunked_elements(name, chunk, monkeypatch):
         model, ys, us = _trim(model, 36), ys[:36], us[:36]
     one = build(model, eqx_seq.SequentialScan())
     kf = build(model, eqx_seq.ShardedScan("seq"))
-    r, ll = _run(kf, _filtered, ys, us, out_specs=(P("seq"), P()))
-    f = one.filter(ys, us=us)
-    np.testing.assert_allclose(r[0], f.means, rtol=1e-9, atol=1e-10)
-    np.testing.assert_allclose(ll, f.log_likelihood, rtol=1e-10)
     params, static = eqx.partition(kf, eqx.is_inexact_array)
     mesh = Mesh(np.array(jax.devices()[:2]), ("seq",))
     split_ll = jax.shard_map(
@@ -213,9 +205,10 @@ def test_chunked_elements(name, chunk, monkeypatch):
         in_specs=(_specs(params), P("seq"), None if us is None else P("seq")),
         out_specs=P(),
     )
-    grads = jax.jit(jax.grad(split_ll))(params, ys, us)
+    value, grads = jax.jit(jax.value_and_grad(split_ll))(params, ys, us)
     loss = lambda kf: kf.filter(ys, us=us).log_likelihood
-    grads1 = eqx.filter_jit(eqx.filter_grad(loss))(one)
+    value1, grads1 = eqx.filter_jit(eqx.filter_value_and_grad(loss))(one)
+    np.testing.assert_allclose(value, value1, rtol=1e-10)
     for g, g1 in zip(jax.tree.leaves(grads), jax.tree.leaves(grads1)):
         np.testing.assert_allclose(g, g1, rtol=1e-8, atol=1e-10)
     jax.clear_caches()
@@ -270,27 +263,26 @@ _EIGHT_DEVICES = textwrap.dedent(
     ys, us = ys[:T], us[:T]
     one = build(model, eqx_seq.SequentialScan())
     worst = 0.0
-    for inner in (eqx_seq.SequentialScan(), eqx_seq.AssociativeScan()):
-        kf = build(model, eqx_seq.ShardedScan("seq", inner))
-        params, static = eqx.partition(kf, eqx.is_inexact_array)
-        specs = jax.tree.map(lambda x: P("seq") if x.ndim == 3 else P(), params)
-        def run(p, ys, us):
-            kf = eqx.combine(p, static)
-            s = kf.smooth(ys, us=us)
-            return s.filtered.means, s.means, s.covs, s.filtered.log_likelihood
-        split = jax.jit(jax.shard_map(run, mesh=mesh, in_specs=(specs, P("seq"),
-            P("seq")), out_specs=(P("seq"),) * 3 + (P(),)))
-        s = one.smooth(ys, us=us)
-        want = (s.filtered.means, s.means, s.covs, s.filtered.log_likelihood)
-        for x, y in zip(split(params, ys, us), want):
-            worst = max(worst, float(jnp.max(jnp.abs(x - y))))
-        ll = jax.shard_map(
-            lambda p, ys, us: eqx.combine(p, static).log_likelihood(ys, us=us),
-            mesh=mesh, in_specs=(specs, P("seq"), P("seq")), out_specs=P())
-        g = jax.jit(jax.grad(ll))(params, ys, us)
-        g1 = eqx.filter_grad(lambda kf: kf.log_likelihood(ys, us=us))(one)
-        for x, y in zip(jax.tree.leaves(g), jax.tree.leaves(g1)):
-            worst = max(worst, float(jnp.max(jnp.abs(x - y))))
+    kf = build(model, eqx_seq.ShardedScan("seq"))
+    params, static = eqx.partition(kf, eqx.is_inexact_array)
+    specs = jax.tree.map(lambda x: P("seq") if x.ndim == 3 else P(), params)
+    def run(p, ys, us):
+        kf = eqx.combine(p, static)
+        s = kf.smooth(ys, us=us)
+        return s.filtered.means, s.means, s.covs, s.filtered.log_likelihood
+    split = jax.jit(jax.shard_map(run, mesh=mesh, in_specs=(specs, P("seq"),
+        P("seq")), out_specs=(P("seq"),) * 3 + (P(),)))
+    s = one.smooth(ys, us=us)
+    want = (s.filtered.means, s.means, s.covs, s.filtered.log_likelihood)
+    for x, y in zip(split(params, ys, us), want):
+        worst = max(worst, float(jnp.max(jnp.abs(x - y))))
+    ll = jax.shard_map(
+        lambda p, ys, us: eqx.combine(p, static).log_likelihood(ys, us=us),
+        mesh=mesh, in_specs=(specs, P("seq"), P("seq")), out_specs=P())
+    g = jax.jit(jax.grad(ll))(params, ys, us)
+    g1 = eqx.filter_grad(lambda kf: kf.log_likelihood(ys, us=us))(one)
+    for x, y in zip(jax.tree.leaves(g), jax.tree.leaves(g1)):
+        worst = max(worst, float(jnp.max(jnp.abs(x - y))))
     print("max abs difference", worst)
     assert worst < 1e-8, worst
     """
