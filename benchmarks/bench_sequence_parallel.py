@@ -110,54 +110,41 @@ def recurrence_programs(T: int, S: int, num_devices: int, exchange: str = "all_g
     }
 
 
-def s5_programs(T: int, num_devices: int):
-    x = jr.normal(jr.key(1), (T, 8), jnp.float32)
-    w = jr.normal(jr.key(2), (T, 8), jnp.float32)
+def layer_programs(make, T: int, features: int, num_devices: int, seed: int):
+    """A layer `make(scan)` on one sequence of `T` steps: forward, and the gradient
+    of a weighted sum of its outputs w.r.t. its parameters and the input."""
+    x = jr.normal(jr.key(seed), (T, features), jnp.float32)
+    w = jr.normal(jr.key(seed + 1), (T, features), jnp.float32)
     mesh = Mesh(np.array(jax.devices()[:num_devices]), ("seq",))
     progs = {}
     for label, scan in (
         ("one device", eqx_seq.SequentialScan()),
         ("sharded", eqx_seq.ShardedScan("seq", eqx_seq.SequentialScan())),
     ):
-        layer = eqx_seq.S5(8, 64, scan=scan, dtype=jnp.float32, key=jr.key(0))
-        params, static = eqx.partition(layer, eqx.is_inexact_array)
+        params, static = eqx.partition(make(scan), eqx.is_inexact_array)
         run = lambda p, x, static=static: eqx.combine(p, static)(x)
+        args, w_ = (params, x), w
         if label == "sharded":
             run = jax.shard_map(
                 run, mesh=mesh, in_specs=(P(), P("seq")), out_specs=P("seq")
             )
-        args, w_ = (params, x), w
-        if label == "sharded":
             *args, w_ = _put(mesh, (P(), P("seq"), P("seq")), (params, x, w))
         loss = lambda p, x, run=run, w=w_: jnp.sum(run(p, x) * w)
         progs[f"{label}: forward"] = (jax.jit(run), tuple(args))
         progs[f"{label}: grad"] = (jax.jit(jax.grad(loss, argnums=(0, 1))), tuple(args))
     return progs
+
+
+def s5_programs(T: int, num_devices: int):
+    """An `S5` layer (8 features, 64 states)."""
+    make = lambda scan: eqx_seq.S5(8, 64, scan=scan, dtype=jnp.float32, key=jr.key(0))
+    return layer_programs(make, T, 8, num_devices, seed=1)
 
 
 def mamba_programs(T: int, num_devices: int):
     """A `Mamba` layer (16 features, 16 states per channel, expand 2)."""
-    x = jr.normal(jr.key(3), (T, 16), jnp.float32)
-    w = jr.normal(jr.key(4), (T, 16), jnp.float32)
-    mesh = Mesh(np.array(jax.devices()[:num_devices]), ("seq",))
-    progs = {}
-    for label, scan in (
-        ("one device", eqx_seq.SequentialScan()),
-        ("sharded", eqx_seq.ShardedScan("seq", eqx_seq.SequentialScan())),
-    ):
-        layer = eqx_seq.Mamba(16, scan=scan, dtype=jnp.float32, key=jr.key(0))
-        params, static = eqx.partition(layer, eqx.is_inexact_array)
-        run = lambda p, x, static=static: eqx.combine(p, static)(x)
-        args, w_ = (params, x), w
-        if label == "sharded":
-            run = jax.shard_map(
-                run, mesh=mesh, in_specs=(P(), P("seq")), out_specs=P("seq")
-            )
-            *args, w_ = _put(mesh, (P(), P("seq"), P("seq")), (params, x, w))
-        loss = lambda p, x, run=run, w=w_: jnp.sum(run(p, x) * w)
-        progs[f"{label}: forward"] = (jax.jit(run), tuple(args))
-        progs[f"{label}: grad"] = (jax.jit(jax.grad(loss, argnums=(0, 1))), tuple(args))
-    return progs
+    make = lambda scan: eqx_seq.Mamba(16, scan=scan, dtype=jnp.float32, key=jr.key(0))
+    return layer_programs(make, T, 16, num_devices, seed=3)
 
 
 def kalman_programs(T: int, num_devices: int, *, missing: bool):
