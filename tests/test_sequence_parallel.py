@@ -110,6 +110,23 @@ def test_final_state():
     _assert_close(finals[-1], one.final_state(x))
 
 
+def test_batch_of_split_sequences():
+    """`jax.vmap` over sequences inside the `shard_map`, each split over time (a
+    mesh with a sequence axis, the batch on every device)."""
+    x = jr.normal(jr.key(11), (3, 40, 3))
+    one = eqx_seq.S5(3, 6, scan=eqx_seq.SequentialScan(), key=jr.key(0))
+    layer = eqx_seq.S5(3, 6, scan=eqx_seq.ShardedScan("seq"), key=jr.key(0))
+    split = jax.jit(
+        jax.shard_map(
+            jax.vmap(layer),
+            mesh=_mesh(),
+            in_specs=P(None, "seq"),
+            out_specs=P(None, "seq"),
+        )
+    )
+    _assert_close(split(x), jax.vmap(one)(x))
+
+
 def test_recurrence_jacobians():
     T, S = 24, (3,)
     a = jnp.array([0.5, -0.8, 0.95])

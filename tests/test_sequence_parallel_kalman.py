@@ -214,6 +214,33 @@ def test_chunked_elements(name, chunk, monkeypatch):
     jax.clear_caches()
 
 
+def test_batch_of_split_sequences():
+    """`jax.vmap` over sequences inside the `shard_map`, each split over time (a
+    missing entry in one sequence only): log-likelihoods, their gradient and the
+    smoothed means equal one device's."""
+    model, _, _ = case("plain", seed=6)
+    ys = np.random.default_rng(6).normal(size=(3, 36, 2))
+    ys[1, 5, 0] = np.nan
+    one = build(model, eqx_seq.SequentialScan())
+    kf = build(model, eqx_seq.ShardedScan("seq"))
+    mesh = Mesh(np.array(jax.devices()[:2]), ("seq",))
+    batch = lambda fn, out: jax.shard_map(
+        fn, mesh=mesh, in_specs=(P(), P(None, "seq")), out_specs=out
+    )
+    ll = batch(lambda kf, ys: jax.vmap(kf.log_likelihood)(ys), P())
+    smoothed = batch(
+        lambda kf, ys: jax.vmap(lambda y: kf.smooth(y).means)(ys), P(None, "seq")
+    )
+    one_ll = lambda kf: jax.vmap(kf.log_likelihood)(ys)
+    np.testing.assert_allclose(jax.jit(ll)(kf, ys), one_ll(one), rtol=1e-10)
+    means = jax.vmap(lambda y: one.smooth(y).means)(ys)
+    np.testing.assert_allclose(jax.jit(smoothed)(kf, ys), means, atol=1e-10)
+    grads = eqx.filter_jit(eqx.filter_grad(lambda kf: jnp.sum(ll(kf, ys))))(kf)
+    grads1 = eqx.filter_grad(lambda kf: jnp.sum(one_ll(kf)))(one)
+    for g, g1 in zip(jax.tree.leaves(grads), jax.tree.leaves(grads1)):
+        np.testing.assert_allclose(g, g1, rtol=1e-8, atol=1e-10)
+
+
 def test_bad_input():
     model, ys, _ = case("plain")
     scan = eqx_seq.ShardedScan("seq")
