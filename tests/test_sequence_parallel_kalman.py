@@ -59,6 +59,20 @@ def _smoothed(kf, ys, us):
     return (r.means, r.covs, r.cross_covs), r.filtered.log_likelihood
 
 
+def _split_value_and_grad(kf, ys, us=None):
+    """The split log-likelihood and its gradient with respect to `kf`'s parameters
+    (time-varying ones split like the data), on the two devices."""
+    params, static = eqx.partition(kf, eqx.is_inexact_array)
+    mesh = Mesh(np.array(jax.devices()[:2]), ("seq",))
+    ll = jax.shard_map(
+        lambda p, ys, us: eqx.combine(p, static).log_likelihood(ys, us=us),
+        mesh=mesh,
+        in_specs=(_specs(params), P("seq"), None if us is None else P("seq")),
+        out_specs=P(),
+    )
+    return jax.jit(jax.value_and_grad(ll))(params, ys, us)
+
+
 def _trim(model, T):
     return {k: v[:T] if np.ndim(v) == 3 else v for k, v in model.items()}
 
@@ -101,15 +115,7 @@ def test_log_likelihood_gradient(name, inner):
     us = None if us is None else us[:T]
     one = build(model, eqx_seq.SequentialScan())
     split = build(model, eqx_seq.ShardedScan("seq", INNER[inner]))
-    params, static = eqx.partition(split, eqx.is_inexact_array)
-    mesh = Mesh(np.array(jax.devices()[:2]), ("seq",))
-    ll = jax.shard_map(
-        lambda p, ys, us: eqx.combine(p, static).log_likelihood(ys, us=us),
-        mesh=mesh,
-        in_specs=(_specs(params), P("seq"), None if us is None else P("seq")),
-        out_specs=P(),
-    )
-    value, grads = jax.jit(jax.value_and_grad(ll))(params, ys, us)
+    value, grads = _split_value_and_grad(split, ys, us)
     value1, grads1 = eqx.filter_value_and_grad(lambda kf: kf.log_likelihood(ys, us=us))(
         one
     )
@@ -158,15 +164,7 @@ def test_steady_state_blocks(settles):
     f = one.filter(ys)
     np.testing.assert_allclose(r[0], f.means, rtol=1e-9, atol=1e-10)
     np.testing.assert_allclose(ll, f.log_likelihood, rtol=1e-10)
-    params, static = eqx.partition(kf, eqx.is_inexact_array)
-    mesh = Mesh(np.array(jax.devices()[:2]), ("seq",))
-    split_ll = jax.shard_map(
-        lambda p, ys: eqx.combine(p, static).log_likelihood(ys),
-        mesh=mesh,
-        in_specs=(P(), P("seq")),
-        out_specs=P(),
-    )
-    value, grads = jax.jit(jax.value_and_grad(split_ll))(params, ys)
+    value, grads = _split_value_and_grad(kf, ys)
     # one device: plain autodiff through the filter (Fisher's identity, its
     # `log_likelihood`'s gradient, agrees only to about 1e-6 on the slow model)
     loss = lambda kf: kf.filter(ys).log_likelihood
@@ -197,15 +195,7 @@ def test_chunked_elements(name, chunk, monkeypatch):
         model, ys, us = _trim(model, 36), ys[:36], us[:36]
     one = build(model, eqx_seq.SequentialScan())
     kf = build(model, eqx_seq.ShardedScan("seq"))
-    params, static = eqx.partition(kf, eqx.is_inexact_array)
-    mesh = Mesh(np.array(jax.devices()[:2]), ("seq",))
-    split_ll = jax.shard_map(
-        lambda p, ys, us: eqx.combine(p, static).log_likelihood(ys, us=us),
-        mesh=mesh,
-        in_specs=(_specs(params), P("seq"), None if us is None else P("seq")),
-        out_specs=P(),
-    )
-    value, grads = jax.jit(jax.value_and_grad(split_ll))(params, ys, us)
+    value, grads = _split_value_and_grad(kf, ys, us)
     loss = lambda kf: kf.filter(ys, us=us).log_likelihood
     value1, grads1 = eqx.filter_jit(eqx.filter_value_and_grad(loss))(one)
     np.testing.assert_allclose(value, value1, rtol=1e-10)
