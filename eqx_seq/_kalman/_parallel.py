@@ -105,12 +105,10 @@ def _combine_filter(earlier, later):
     return A, b, C, eta, J
 
 
-def _transitions(problem: _Problem, first: Array | bool = True):
+def _transitions(problem: _Problem):
     """Every step's `F`, `mu` (the control's `B u`) and the factor of the noise
-    covariance `Sigma` given `x_{t-1}`. With `first` (a bool, or a traced one under
-    `eqx_seq.ShardedScan`), step 1 has the prior folded in (no dependence on `x_0`:
-    `F = 0`, and the prediction of `x_1`, `first_factor`); else step 1 is a
-    transition like the others (a block that does not start the sequence)."""
+    covariance `Sigma` given `x_{t-1}`; step 1 with the prior folded in (no
+    dependence on `x_0`: `F = 0`, and the prediction of `x_1`, `first_factor`)."""
     model, c = problem.model, problem.c
     T = problem.num_steps
     n = model.m0.shape[0]
@@ -118,11 +116,7 @@ def _transitions(problem: _Problem, first: Array | bool = True):
     L_Q = jnp.broadcast_to(model.L_Q, (T, n, n))
     mu = jnp.zeros((T, n), F.dtype) if c is None else c
     m1, L1 = first_factor(model, c)
-    return (
-        F.at[0].set(jnp.where(first, 0, F[0])),
-        mu.at[0].set(jnp.where(first, m1, mu[0])),
-        L_Q.at[0].set(jnp.where(first, L1, L_Q[0])),
-    )
+    return F.at[0].set(0), mu.at[0].set(m1), L_Q.at[0].set(L1)
 
 
 def _sqrt_element(F: Array, mu: Array, L: Array, Hw: Array, y: Array):
