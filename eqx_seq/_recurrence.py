@@ -64,6 +64,18 @@ def _recurrence(scan: AbstractScan, reverse: bool, a: Array, b: Array, h0: Array
     return scan.recurrence(a, b, h0, reverse=reverse)
 
 
+def _previous(
+    scan: AbstractScan, reverse: bool, a: Array, h: Array, h0: Array
+) -> Array:
+    """The state each step reads, `h_{t-1}` (`h0` first), which `da_t` multiplies
+    in the derivatives. Where a zero decay forgets a state that is not finite (a
+    segment start after a bad segment) it reads zero, so that the derivatives
+    forget it too: the derivative at a zero decay of a finite state is kept."""
+    previous = scan.shift(h, h0, reverse=reverse)
+    forgotten = (_per_step(a, previous) == 0) & ~jnp.isfinite(previous)
+    return jnp.where(forgotten, jnp.zeros((), previous.dtype), previous)
+
+
 def _is_zero(tangent) -> bool:
     return isinstance(tangent, SymbolicZero)
 
@@ -87,7 +99,7 @@ def _sensitivities(
     """
     s = p = None
     if wrt_a:
-        previous = scan.shift(h, h0, reverse=reverse)
+        previous = _previous(scan, reverse, a, h, h0)
         s = _recurrence(scan, reverse, a, previous, jnp.zeros_like(h0))
     if wrt_h0:
         p = _recurrence(scan, reverse, a, jnp.zeros_like(h), jnp.ones_like(h0))
@@ -111,7 +123,7 @@ def _recurrence_jvp(scan, reverse, primals, tangents):
         return h, ft.reduce(jnp.add, terms)
     rhs = jnp.zeros_like(b) if _is_zero(db) else db
     if not _is_zero(da):
-        rhs = rhs + _per_step(da, h) * scan.shift(h, h0, reverse=reverse)
+        rhs = rhs + _per_step(da, h) * _previous(scan, reverse, a, h, h0)
     if not _is_zero(dh0):
         # `dh0` enters at the first step of the whole run (of the first device's
         # block, under `ShardedScan`)
@@ -211,7 +223,9 @@ def linear_recurrence(
 
     - `a`: the decay. Either `(T, *S)`, time-varying (a leading axis of size 1 is
         taken as time-invariant), or anything with fewer dimensions than `b` that
-        broadcasts to `S`: time-invariant.
+        broadcasts to `S`: time-invariant. A zero decay forgets the state: there
+        $h_t = b_t$ whatever $h_{t-1}$ holds, NaN and inf included (a segment start
+        of packed sequences), in the values and the derivatives.
     - `b`: the inputs, shape `(T, *S)`: time on axis 0, any state shape `S`.
     - `h0`: the initial state $h_{-1}$, broadcasting to `S`; zeros if `None`.
     - `scan`: the backend, an [`eqx_seq.AbstractScan`][]. Defaults to

@@ -22,6 +22,18 @@ from ._level_scan import level_scan
 from ._misc import check_positive_int, vary_like, zeros_like_inputs
 
 
+def decayed(a: Array, h: Array) -> Array:
+    """`a * h`, with a zero decay forgetting the state: zero wherever `a` is zero,
+    whatever `h` holds there (NaN and inf included).
+
+    A segment start (a reset) is a zero decay, and must replace the state: with a
+    plain product, `0 * nan = nan` carried one bad segment's values into every
+    later one. Every algorithm of the recurrence, its adjoints and the step modes
+    multiply a state by a decay through this.
+    """
+    return jnp.where(a == 0, jnp.zeros((), jnp.result_type(a, h)), a * h)
+
+
 class AbstractScan(eqx.Module):
     """Abstract base class for recurrence backends.
 
@@ -56,6 +68,11 @@ class AbstractScan(eqx.Module):
         reverse: bool = False,
     ) -> Inexact[Array, " T *S"]:
         """Solve `h_t = a_t * h_{t-1} + b_t` along axis 0, from `h_{-1} = h0`.
+
+        A zero decay forgets the state: where `a_t` is zero, `h_t = b_t` whatever
+        `h_{t-1}` holds, NaN and inf included (a segment start of packed
+        sequences, which one bad segment must not reach across). A backend
+        multiplies a state by a decay as `where(a == 0, 0, a * h)`.
 
         This is the low-level primal: it is differentiated by tracing. Call
         [`eqx_seq.linear_recurrence`][] instead for validated inputs, initial states
@@ -225,7 +242,7 @@ def _stacked(a: Array, b: Array, init: Array, reverse: bool, unroll: int) -> Arr
     if a.ndim < b.ndim:
 
         def step(h, b_t):
-            h = a * h + b_t
+            h = decayed(a, h) + b_t
             return h, h
 
         xs = b
@@ -233,7 +250,7 @@ def _stacked(a: Array, b: Array, init: Array, reverse: bool, unroll: int) -> Arr
 
         def step(h, a_b_t):
             a_t, b_t = a_b_t
-            h = a_t * h + b_t
+            h = decayed(a_t, h) + b_t
             return h, h
 
         xs = (a, b)
@@ -254,7 +271,7 @@ def _in_place(a: Array, b: Array, init: Array, reverse: bool) -> Array:
         h, out = carry
         t = T - 1 - i if reverse else i
         a_t = lax.dynamic_index_in_dim(a, t, keepdims=False) if time_varying else a
-        h = a_t * h + lax.dynamic_index_in_dim(out, t, keepdims=False)
+        h = decayed(a_t, h) + lax.dynamic_index_in_dim(out, t, keepdims=False)
         return h, lax.dynamic_update_index_in_dim(out, h, t, 0)
 
     out = vary_like(b, a, init)  # for `shard_map`: see `vary_like`
@@ -292,14 +309,14 @@ def fold_initial_state(a: Array, b: Array, h0: Array, *, reverse: bool) -> Array
     """`b` with `a * h0` added to its first step: the same states, started from zero."""
     first = -1 if reverse else 0
     a_first = a if a.ndim < b.ndim else a[first]
-    return b.at[first].add(a_first * h0)
+    return b.at[first].add(decayed(a_first, h0))
 
 
 def _compose(earlier, later):
     # Composition of the affine maps h -> a*h + b: first `earlier`, then `later`.
     a_e, b_e = earlier
     a_l, b_l = later
-    return a_l * a_e, a_l * b_e + b_l
+    return decayed(a_l, a_e), decayed(a_l, b_e) + b_l
 
 
 class AssociativeScan(AbstractScan):

@@ -27,6 +27,7 @@ from ._scan import (
     AutoScan,
     check_halo_width,
     check_scan,
+    decayed,
     fill_halo,
     shift_local,
 )
@@ -58,7 +59,12 @@ def _block_map(
     varying = a.ndim == b.ndim
     if getattr(type(inner), "parallel", False):
         states = inner.recurrence(a, b, h0, reverse=reverse)
-        prod = jnp.prod(a, axis=0) if varying else a**num_steps
+        if varying:
+            # a zero decay (a reset) zeroes the product, selected: the decays
+            # around it may overflow
+            prod = jnp.where(jnp.any(a == 0, axis=0), 0, jnp.prod(a, axis=0))
+        else:
+            prod = a**num_steps
         return prod, states[0] if reverse else states[-1]
 
     def step(i, carry):
@@ -66,9 +72,9 @@ def _block_map(
         t = num_steps - 1 - i if reverse else i
         b_t = lax.dynamic_index_in_dim(b, t, keepdims=False)
         if not varying:
-            return prod, a * h + b_t
+            return prod, decayed(a, h) + b_t
         a_t = lax.dynamic_index_in_dim(a, t, keepdims=False)
-        return prod * a_t, a_t * h + b_t
+        return decayed(a_t, prod), decayed(a_t, h) + b_t
 
     prod = a**num_steps if not varying else jnp.ones_like(h0)
     return lax.fori_loop(0, num_steps, step, (prod, h0))
@@ -232,7 +238,7 @@ class ShardedScan(AbstractScan):
         num_devices, index = _mesh_axis(self.axis_name)
         exchange = _EXCHANGES[self.exchange]
         before = exchange(block, self.axis_name, num_devices, index, reverse=reverse)
-        return before[0] * start + before[1]
+        return decayed(before[0], start) + before[1]
 
     def shift(
         self,

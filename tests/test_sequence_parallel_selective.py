@@ -208,6 +208,35 @@ def test_selective_scan_h0_on_first_device():
     _assert_close(jax.jit(split)(x["u"], x["delta"], x["B"], x["C"], h0s), expected)
 
 
+@pytest.mark.parametrize("inner", ["sequential", "associative"])
+def test_block_maps_respect_resets(inner):
+    """Growing decays (`A > 0`: a decay above one) with a segment starting every
+    two steps: every state is finite on one device, and a block's map must be zero
+    by selection where a segment starts in it, not the product of its decays (which
+    overflows, and `inf * 0 = nan` reached every later block). The selective scan
+    and the diagonal recurrence, with both inner backends."""
+    T, D, N = 32, 2, 2
+    k = jr.split(jr.key(9), 4)
+    u, B, C = (jr.normal(key, (T, n)) for key, n in zip(k, (D, N, N)))
+    delta = jnp.full((T, D), 0.5)
+    A = jnp.full((D, N), 300.0)  # exp(150) a step: finite over a segment only
+    resets = jnp.zeros(T, bool).at[::2].set(True)
+    a = jnp.where(resets[:, None], 0.0, jnp.exp(150.0) * jnp.ones((T, D)))
+    inner_scan = {"sequential": ONE, "associative": eqx_seq.AssociativeScan()}[inner]
+
+    def run(scan, u, delta, B, C, reset, a):
+        y = eqx_seq.selective_scan(u, delta, A, B, C, reset=reset, scan=scan)
+        return y, eqx_seq.linear_recurrence(a, u, scan=scan)
+
+    split = _shard_map(
+        ft.partial(run, eqx_seq.ShardedScan("seq", inner_scan)), (P("seq"),) * 6,
+        (P("seq"), P("seq")),
+    )  # fmt: skip
+    expected = run(inner_scan, u, delta, B, C, resets, a)
+    assert all(bool(jnp.isfinite(x).all()) for x in expected)
+    _assert_close(jax.jit(split)(u, delta, B, C, resets, a), expected)
+
+
 # ---------------------------------------------------------------------- layers
 
 

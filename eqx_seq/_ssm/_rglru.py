@@ -18,7 +18,7 @@ from .._misc import (
     check_state,
 )
 from .._recurrence import linear_recurrence
-from .._scan import AbstractScan, AutoScan, check_scan
+from .._scan import AbstractScan, AutoScan, check_scan, decayed
 
 
 # `sqrt`'s derivative `0.5 / sqrt(x)` is capped at this value, reached where
@@ -206,8 +206,9 @@ class RGLRU(eqx.Module):
         - `x`: the input sequence, shape `(T, input_size)`, real floating. One
             example: `jax.vmap` over a batch.
         - `reset`: optional bool mask, shape `(T,)`: `True` where a segment starts.
-            There the state restarts from zero (`a_t := 0`, and `h0` is ignored at
-            a reset on step 0) and `i_t ⊙ x_t` enters without the `sqrt(1 - a_t²)`
+            There the state restarts from zero (`a_t := 0`, which replaces the
+            state whatever it held, NaN and inf included; `h0` is ignored at a reset
+            on step 0) and `i_t ⊙ x_t` enters without the `sqrt(1 - a_t²)`
             factor.
         - `h0`: optional state before step 0, shape `(input_size,)`: continue from
             the [`eqx_seq.RGLRU.final_state`][] of a previous chunk.
@@ -276,5 +277,5 @@ class RGLRU(eqx.Module):
             )
         x, reset, state = self._check(x_t[None], reset[None], state)
         a, b = self._coefficients(x, reset)
-        state = a[0] * state + b[0]
+        state = decayed(a[0], state) + b[0]
         return state, state

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from jaxtyping import Array
 
 from .._misc import zeros_like_inputs
-from .._scan import AbstractScan
+from .._scan import AbstractScan, decayed
 
 
 def chunked(x: Array, chunk: int) -> Array:
@@ -33,9 +33,15 @@ def unchunked(x: Array) -> Array:
     return x.reshape(x.shape[0] * x.shape[1], *x.shape[2:])
 
 
+def selective_decay(delta: Array, A: Array, keep: Array) -> Array:
+    """`exp(delta A)`, zero where `keep` is zero (a segment start), selected rather
+    than multiplied: an overflowing `exp` times zero would be NaN."""
+    return jnp.where(keep == 0, jnp.zeros((), A.dtype), jnp.exp(delta * A))
+
+
 def _chunk_states(scan, delta, A, u, B, keep, h_in):
     """The decays `a` and every state `h` of one chunk, both `(L, D, N)`."""
-    a = jnp.exp(delta[:, :, None] * A[None]) * keep[:, None, None]
+    a = selective_decay(delta[:, :, None], A[None], keep[:, None, None])
     b = (delta * u)[:, :, None] * B[:, None, :]
     return a, scan.recurrence(a, b, h_in)
 
@@ -87,14 +93,14 @@ def _bwd(scan, chunk, residuals, cotangents):
         lam = scan.recurrence(a_next, rhs, nu, reverse=True)
         h_prev = jnp.concatenate([h_start[None], h[:-1]])
         # h_t = a_t h_{t-1} + (delta_t u_t) B_t with a_t = exp(delta_t A):
-        g_log_a = lam * h_prev * a  # cotangent of delta_t A
+        g_log_a = lam * decayed(a, h_prev)  # cotangent of delta_t A
         g_drive = jnp.einsum("ldn,ln->ld", lam, B_c)  # of delta_t u_t
         g_delta = jnp.einsum("ldn,dn->ld", g_log_a, A) + g_drive * u_c
         g_u = g_drive * delta_c
         g_B = jnp.einsum("ldn,ld->ln", lam, delta_c * u_c)
         g_C = jnp.einsum("ldn,ld->ln", h, gy_c)
         gA = gA + jnp.einsum("ldn,ld->dn", g_log_a, delta_c)
-        return (a[0] * lam[0], gA), (g_delta, g_u, g_B, g_C)
+        return (decayed(a[0], lam[0]), gA), (g_delta, g_u, g_B, g_C)
 
     xs = tuple(chunked(x, L) for x in (delta, u, B, C, keep, gy)) + (h_in,)
     gA0 = zeros_like_inputs(A.shape, A.dtype, delta, u, B, C, gy, A)

@@ -17,7 +17,8 @@ import jax.numpy as jnp
 from jaxtyping import Array
 
 from .._misc import zeros_like_inputs
-from ._selective_core import chunked, unchunked
+from .._scan import decayed
+from ._selective_core import chunked, selective_decay, unchunked
 
 
 def _row(x: Array, t) -> Array:
@@ -30,8 +31,19 @@ def _put(buffer: Array, t, value: Array) -> Array:
 
 def _coefficients(A, delta_t, u_t, B_t, keep_t):
     """`(a_t, b_t)` of one step, both `(D, N)`; `keep_t = 0` at a segment start."""
-    a = jnp.exp(delta_t[:, None] * A) * keep_t
+    a = selective_decay(delta_t[:, None], A, keep_t)
     return a, (delta_t * u_t)[:, None] * B_t[None, :]
+
+
+def selective_step(
+    h: Array, A: Array, delta_t: Array, u_t: Array, B_t: Array, C_t: Array, keep_t
+) -> tuple[Array, Array]:
+    """One step of the recurrence and its read-out: `(h_t, h_t C_t)` from
+    `h_{t-1}` `(D, N)`; `keep_t = 0` starts a segment (the state is replaced,
+    whatever it held). The loop below and `Mamba.step` both step with it."""
+    a, b = _coefficients(A, delta_t, u_t, B_t, keep_t)
+    h = decayed(a, h) + b
+    return h, jnp.sum(h * C_t[None, :], axis=1)
 
 
 def _forward(chunk: int, unroll: int, delta, A, u, B, C, keep, h0):
@@ -42,11 +54,9 @@ def _forward(chunk: int, unroll: int, delta, A, u, B, C, keep, h0):
 
         def step(t, carry):
             h, y = carry
-            a, b = _coefficients(
-                A, _row(delta_c, t), _row(u_c, t), _row(B_c, t), _row(keep_c, t)
-            )
-            h = a * h + b
-            return h, _put(y, t, jnp.sum(h * _row(C_c, t)[None, :], axis=1))
+            rows = (_row(x, t) for x in (delta_c, u_c, B_c, C_c, keep_c))
+            h, y_t = selective_step(h, A, *rows)
+            return h, _put(y, t, y_t)
 
         y = zeros_like_inputs(u_c.shape, u_c.dtype, h, delta_c, u_c, B_c, C_c)
         h_out, y = lax.fori_loop(0, chunk, step, (h, y), unroll=unroll)
@@ -85,7 +95,7 @@ def _bwd(chunk, unroll, residuals, cotangents):
             a, b = _coefficients(
                 A, _row(delta_c, t), _row(u_c, t), _row(B_c, t), _row(keep_c, t)
             )
-            return a * h + b, _put(previous, t, h)
+            return decayed(a, h) + b, _put(previous, t, h)
 
         # the buffer varies over the mesh like the inputs (under `jax.shard_map`)
         empty = zeros_like_inputs(
@@ -103,14 +113,15 @@ def _bwd(chunk, unroll, residuals, cotangents):
             a, b = _coefficients(A, delta_t, u_t, B_t, _row(keep_c, t))
             h_prev = _row(previous, t)
             lam = nu + gy_t[:, None] * _row(C_c, t)[None, :]
-            g_log_a = lam * a * h_prev  # cotangent of delta_t A
+            g_log_a = lam * decayed(a, h_prev)  # cotangent of delta_t A
             g_drive = jnp.sum(lam * B_t[None, :], axis=1)  # of delta_t u_t
             g_delta = _put(g_delta, t, jnp.sum(g_log_a * A, axis=1) + g_drive * u_t)
             g_u = _put(g_u, t, g_drive * delta_t)
             g_B = _put(g_B, t, jnp.sum((delta_t * u_t)[:, None] * lam, axis=0))
-            g_C = _put(g_C, t, jnp.sum(gy_t[:, None] * (a * h_prev + b), axis=0))
+            h_t = decayed(a, h_prev) + b
+            g_C = _put(g_C, t, jnp.sum(gy_t[:, None] * h_t, axis=0))
             gA = gA + g_log_a * delta_t[:, None]
-            return a * lam, gA, g_delta, g_u, g_B, g_C
+            return decayed(a, lam), gA, g_delta, g_u, g_B, g_C
 
         outputs = tuple(
             zeros_like_inputs(x.shape, x.dtype, nu, gy_c, h_start, x)

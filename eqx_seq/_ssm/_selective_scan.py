@@ -9,7 +9,7 @@ from jaxtyping import Array, ArrayLike, Bool, Float
 from .._misc import check_positive_int, check_reset, vary_like
 from .._scan import AbstractScan, AutoScan, check_scan, SequentialScan
 from .._sharded_scan import ShardedScan
-from ._selective_core import fused_selective_scan
+from ._selective_core import fused_selective_scan, selective_decay
 from ._selective_loop import looped_selective_scan
 
 
@@ -67,10 +67,12 @@ def _run(scan, chunk, u, delta, A, B, C, D, z, delta_bias, delta_softplus, h0, r
     if isinstance(scan, ShardedScan):
         # this device's block of a time axis split over devices: its affine map
         # `h -> prod(a) h + H`, with `prod(a) = exp(A sum(delta))` (zero if a
-        # segment starts in it) and `H` its last state from zero, folded with the
-        # maps before it into the state it starts from
+        # segment starts in it, selected: the exponential alone may overflow where
+        # the resets keep every state finite) and `H` its last state from zero,
+        # folded with the maps before it into the state it starts from
         inner = scan.inner.select()
-        decay = jnp.exp(A * jnp.sum(delta, axis=0)[:, None]) * jnp.prod(keep)
+        total = jnp.sum(delta, axis=0)[:, None]
+        decay = selective_decay(total, A, jnp.min(keep))
         start = vary_like(scan._block_start(h0, A), A)
         _, last = _block(inner, chunk, args, start)
         h0 = scan._carry_into_block((decay, last), start)
@@ -146,8 +148,10 @@ def selective_scan(
     - `delta_softplus`: apply `jax.nn.softplus` to `delta + delta_bias`.
     - `h0`: the state before the first step, shape `(D, N)`; zeros if `None`.
     - `reset`: optional bools, shape `(T,)`, `True` where a segment starts (packed
-        sequences): there the state restarts from zero (the decay is zero), so
-        each segment gives the outputs of a separate call.
+        sequences): there the state restarts from zero (the decay is zero, and
+        replaces the state whatever it held, NaN and inf included), so each segment
+        gives the outputs of a separate call, and `h0` is ignored at a reset on
+        step 0.
     - `return_last_state`: also return the state after the last step.
     - `scan`: the backend, an [`eqx_seq.AbstractScan`][].
     - `chunk_size`: the steps between stored states.
