@@ -317,8 +317,15 @@ def test_mamba_rejects_bad_input(getkey):
         layer(jnp.ones((5, 4), jnp.int32))
     with pytest.raises(ValueError, match="conv_state, ssm_state"):
         layer(jnp.ones((5, 4)), h0=jnp.zeros((8, 3)))
-    with pytest.raises(ValueError, match="got shapes"):
+    with pytest.raises(ValueError, match="real floating arrays of shapes"):
         layer(jnp.ones((5, 4)), h0=(jnp.zeros((3, 8)), jnp.zeros((8, 4))))
+    # a complex state, in either part, would lose its imaginary part
+    conv, ssm = layer.init_state()
+    for h0 in [(conv.astype(complex), ssm), (conv, ssm.astype(complex))]:
+        with pytest.raises(ValueError, match="real floating arrays.*complex"):
+            layer(jnp.ones((5, 4)), h0=h0)
+        with pytest.raises(ValueError, match="real floating arrays.*complex"):
+            layer.step(h0, jnp.ones(4))
     with pytest.raises(ValueError, match="one input of shape"):
         layer.step(layer.init_state(), jnp.ones(3))
     for kwargs, match in [

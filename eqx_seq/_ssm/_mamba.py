@@ -17,6 +17,7 @@ from .._misc import (
 )
 from .._scan import AbstractScan, AutoScan, check_scan
 from ._conv import CausalConv
+from ._selective_loop import selective_step
 from ._selective_scan import selective_scan
 
 
@@ -156,12 +157,14 @@ class Mamba(eqx.Module):
 
     # ---------------------------------------------------------------- validation
 
-    def _check(self, x: Array, h0, reset=None) -> tuple[Array, MambaState | None]:
+    def _check(
+        self, x: Array, h0, reset=None
+    ) -> tuple[Array, MambaState | None, Array | None]:
         x = check_sequence(x, self.input_size, "Mamba")
         if h0 is not None:
             h0 = self._check_state(h0)
-        check_reset(reset, x.shape[0], "Mamba")
-        return x.astype(self._dtype(x)), h0
+        reset = check_reset(reset, x.shape[0], "Mamba")
+        return x.astype(self._dtype(x)), h0, reset
 
     def _check_state(self, state) -> MambaState:
         shapes = (
@@ -174,11 +177,13 @@ class Mamba(eqx.Module):
                 f"{shapes[0]} and {shapes[1]} (see `init_state`), got {state!r}."
             )
         state = tuple(jnp.asarray(s) for s in state)
-        if tuple(s.shape for s in state) != shapes:
+        if tuple(s.shape for s in state) != shapes or not all(
+            jnp.issubdtype(s.dtype, jnp.floating) for s in state
+        ):
             raise ValueError(
-                "The state of `Mamba` is a pair `(conv_state, ssm_state)` of shapes "
-                f"{shapes[0]} and {shapes[1]}, got shapes "
-                f"{tuple(s.shape for s in state)}."
+                "The state of `Mamba` is a pair `(conv_state, ssm_state)` of real "
+                f"floating arrays of shapes {shapes[0]} and {shapes[1]}, got "
+                f"{tuple(f'{s.dtype}{list(s.shape)}' for s in state)}."
             )
         return state
 
@@ -243,7 +248,8 @@ class Mamba(eqx.Module):
             `jax.vmap` over a batch.
         - `reset`: optional bools, shape `(T,)`, `True` where a segment starts
             (packed sequences): the convolution and the recurrence restart there,
-            so each segment gives the outputs of a separate call.
+            whatever the state held (NaN and inf included), so each segment gives
+            the outputs of a separate call.
         - `h0`: optional state `(conv_state, ssm_state)` to continue from (a
             previous chunk's [`eqx_seq.Mamba.final_state`][]); zeros if `None`.
         - `key`: ignored; for compatibility with the rest of the Equinox API.
@@ -254,7 +260,7 @@ class Mamba(eqx.Module):
         """
         del key
         with jax.named_scope("eqx_seq.Mamba"):
-            x, h0 = self._check(x, h0, reset)
+            x, h0, reset = self._check(x, h0, reset)
             return self._run(x, h0, reset)[0]
 
     def final_state(
@@ -267,7 +273,7 @@ class Mamba(eqx.Module):
         """The state `(conv_state, ssm_state)` after the last step of `x`: calling
         the layer chunk after chunk, each with `h0=` the `final_state` of the
         chunks so far, gives the outputs of one call on the whole sequence."""
-        x, h0 = self._check(x, h0, reset)
+        x, h0, reset = self._check(x, h0, reset)
         return self._run(x, h0, reset)[1]
 
     def init_state(self) -> MambaState:
@@ -301,9 +307,8 @@ class Mamba(eqx.Module):
         reset = jnp.asarray(reset)
         if reset.shape != () or reset.dtype != jnp.bool_:
             raise ValueError(f"`reset` in `step` must be a bool scalar, got {reset!r}.")
-        x, (conv_state, h) = self._check(x_t[None], state)
+        x, (conv_state, h), _ = self._check(x_t[None], state)
         dtype = x.dtype
-        h = jnp.where(reset, jnp.zeros((), h.dtype), h)
         vz = x[0] @ self.in_proj.astype(dtype).T
         v, z = vz[: self.channels], vz[self.channels :]
         conv_state, u = self.conv.step(conv_state.astype(dtype), v, reset)
@@ -311,9 +316,7 @@ class Mamba(eqx.Module):
         delta, B, C = self._mix(u)
         delta = jax.nn.softplus(delta + self.dt_bias.astype(dtype))
         A = -jnp.exp(self.A_log.astype(dtype))
-        h = (
-            jnp.exp(delta[:, None] * A) * h.astype(dtype)
-            + (delta * u)[:, None] * B[None]
-        )
-        y = (h @ C + self.D.astype(dtype) * u) * jax.nn.silu(z)
+        keep = (~reset).astype(dtype)
+        h, y = selective_step(h.astype(dtype), A, delta, u, B, C, keep)
+        y = (y + self.D.astype(dtype) * u) * jax.nn.silu(z)
         return (conv_state, h), y @ self.out_proj.astype(dtype).T
