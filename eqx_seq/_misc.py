@@ -97,7 +97,12 @@ def check_sequence(x, size: int, name: str) -> Array:
 
 def check_state(h0, shape: tuple[int, ...], name: str, what: str = "h0") -> Array:
     """`h0` if it is a real array of `shape`."""
-    h0 = jnp.asarray(h0)
+    try:
+        h0 = jnp.asarray(h0)
+    except (TypeError, ValueError):  # `None`, a tuple of arrays, ...
+        raise ValueError(
+            f"`{name}`: `{what}` must be a real array of shape {shape}, got {h0!r}."
+        ) from None
     if h0.shape != shape or jnp.iscomplexobj(h0):
         raise ValueError(
             f"`{name}`: `{what}` must be a real array of shape {shape}, got "

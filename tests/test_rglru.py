@@ -403,8 +403,11 @@ def test_rglru_bad_input(getkey):
         layer.step(layer.init_state(), jnp.ones(N + 1))
     with pytest.raises(ValueError, match="reset"):
         layer.step(layer.init_state(), jnp.ones(N), reset=jnp.zeros(2, bool))
-    with pytest.raises(ValueError, match="h0"):
+    with pytest.raises(ValueError, match="`state` must be a real array"):
         layer.step(jnp.zeros(N + 1), jnp.ones(N))
+    for state in [None, (jnp.zeros(N),)]:
+        with pytest.raises(ValueError, match="`state` must be a real array"):
+            layer.step(state, jnp.ones(N))
     with pytest.raises(ValueError, match="divide"):
         eqx_seq.RGLRU(6, num_heads=4, key=getkey())
     with pytest.raises(ValueError, match="positive int"):

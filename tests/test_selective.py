@@ -328,6 +328,8 @@ def test_mamba_rejects_bad_input(getkey):
             layer.step(h0, jnp.ones(4))
     with pytest.raises(ValueError, match="one input of shape"):
         layer.step(layer.init_state(), jnp.ones(3))
+    with pytest.raises(ValueError, match="conv_state, ssm_state"):
+        layer.step(None, jnp.ones(4))
     for kwargs, match in [
         (dict(state_size=0), "state_size"),
         (dict(expand=1.5), "expand"),

@@ -307,7 +307,7 @@ class Mamba(eqx.Module):
         reset = jnp.asarray(reset)
         if reset.shape != () or reset.dtype != jnp.bool_:
             raise ValueError(f"`reset` in `step` must be a bool scalar, got {reset!r}.")
-        x, (conv_state, h), _ = self._check(x_t[None], state)
+        x, (conv_state, h), _ = self._check(x_t[None], self._check_state(state))
         dtype = x.dtype
         vz = x[0] @ self.in_proj.astype(dtype).T
         v, z = vz[: self.channels], vz[self.channels :]

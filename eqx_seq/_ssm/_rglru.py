@@ -275,6 +275,7 @@ class RGLRU(eqx.Module):
             raise ValueError(
                 f"`reset` in `step` must be a bool scalar, got shape {reset.shape}."
             )
+        state = check_state(state, (self.input_size,), "RGLRU.step", "state")
         x, reset, state = self._check(x_t[None], reset[None], state)
         a, b = self._coefficients(x, reset)
         state = decayed(a[0], state) + b[0]
