@@ -26,7 +26,7 @@ from jax.custom_derivatives import SymbolicZero
 from jaxtyping import Array, ArrayLike, Inexact
 
 from ._misc import vary_like
-from ._scan import AbstractScan, AutoScan, check_scan
+from ._scan import AbstractScan, AutoScan, check_scan, forgotten_as_zero
 
 
 def _per_step(x: Array, like: Array) -> Array:
@@ -68,12 +68,10 @@ def _previous(
     scan: AbstractScan, reverse: bool, a: Array, h: Array, h0: Array
 ) -> Array:
     """The state each step reads, `h_{t-1}` (`h0` first), which `da_t` multiplies
-    in the derivatives. Where a zero decay forgets a state that is not finite (a
-    segment start after a bad segment) it reads zero, so that the derivatives
-    forget it too: the derivative at a zero decay of a finite state is kept."""
+    in the derivatives: zero where a zero decay forgets a state that is not finite
+    (a segment start after a bad segment), as in `decayed`'s derivative."""
     previous = scan.shift(h, h0, reverse=reverse)
-    forgotten = (_per_step(a, previous) == 0) & ~jnp.isfinite(previous)
-    return jnp.where(forgotten, jnp.zeros((), previous.dtype), previous)
+    return forgotten_as_zero(_per_step(a, previous), previous)
 
 
 def _is_zero(tangent) -> bool:

@@ -22,6 +22,7 @@ from ._level_scan import level_scan
 from ._misc import check_positive_int, vary_like, zeros_like_inputs
 
 
+@jax.custom_jvp
 def decayed(a: Array, h: Array) -> Array:
     """`a * h`, with a zero decay forgetting the state: zero wherever `a` is zero,
     whatever `h` holds there (NaN and inf included).
@@ -29,9 +30,25 @@ def decayed(a: Array, h: Array) -> Array:
     A segment start (a reset) is a zero decay, and must replace the state: with a
     plain product, `0 * nan = nan` carried one bad segment's values into every
     later one. Every algorithm of the recurrence, its adjoints and the step modes
-    multiply a state by a decay through this.
+    multiply a state by a decay through this. Its derivative with respect to `a`
+    is `h` (see `forgotten_as_zero`), also at a zero decay.
     """
     return jnp.where(a == 0, jnp.zeros((), jnp.result_type(a, h)), a * h)
+
+
+@decayed.defjvp
+def _decayed_jvp(primals, tangents):
+    a, h = primals
+    da, dh = tangents
+    return decayed(a, h), da * forgotten_as_zero(a, h) + decayed(a, dh)
+
+
+def forgotten_as_zero(a: Array, h: Array) -> Array:
+    """`h` as the derivative of `a * h` with respect to `a` reads it: zero where a
+    zero decay forgets a state that is not finite, so that the derivatives forget
+    it too; everywhere else `h`, the exact derivative (at a zero decay too)."""
+    forgotten = (a == 0) & ~jnp.isfinite(h)
+    return jnp.where(forgotten, jnp.zeros((), h.dtype), h)
 
 
 class AbstractScan(eqx.Module):

@@ -44,7 +44,7 @@ def test_zero_decay_forgets_the_state(scan):
     """`linear_recurrence`: where `a_t = 0` the state is `b_t`, whatever came
     before; values, reverse-mode and forward-mode derivatives of the later part
     equal a separate run's, and the derivative at a zero decay of a finite state is
-    kept (`h_{t-1}`)."""
+    kept (`h_{t-1}`), also by autodiff through the backend's `recurrence`."""
     k1, k2 = jr.split(jr.key(0))
     a = jr.uniform(k1, (T, 3), minval=0.5, maxval=1.5).at[START].set(0.0)
     b = jr.normal(k2, (T, 3))
@@ -73,12 +73,15 @@ def test_zero_decay_forgets_the_state(scan):
         finite = jax.grad(
             lambda a: jnp.sum(eqx_seq.linear_recurrence(a, b, scan=scan)[START])
         )(a)
+        # the same by autodiff through the backend's primal `recurrence`
+        traced = jax.grad(lambda a: jnp.sum(scan.recurrence(a, b)[START]))(a)
         h = eqx_seq.linear_recurrence(a, b, scan=scan)
         return (
             later(a, bad), alone(a[START:], b[START:]),
             tuple(g[START + 1 :] for g in grads[:1]) + (grads[1][START:],),
             (grads_alone[0][1:], grads_alone[1]),
-            tangent, tangent_alone, finite[START], h[START - 1],
+            tangent, tangent_alone, (finite[START], traced[START]),
+            (h[START - 1], h[START - 1]),
         )  # fmt: skip
 
     value, value_alone, grads, grads_alone, jvp, jvp_alone, da, h_prev = program(a, b)
