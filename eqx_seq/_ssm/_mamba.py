@@ -17,7 +17,7 @@ from .._misc import (
 )
 from .._scan import AbstractScan, AutoScan, check_scan
 from ._conv import CausalConv
-from ._selective_loop import selective_step
+from ._selective_core import selective_step
 from ._selective_scan import selective_scan
 
 

@@ -4,16 +4,28 @@
 
 with `h_t` of shape `(D, N)`, `delta_t`, `u_t` of shape `(D,)`, `B_t`, `C_t` of
 shape `(N,)`. Only `y` `(T, D)` and the last state leave a chunk: the `(T, D, N)`
-states are never stored, forward or backward. The forward pass keeps the state
-entering each chunk; the backward pass recomputes a chunk's states from it and runs
-the adjoint recurrence `l_t = exp(delta_{t+1} A) * l_{t+1} + gy_t C_t` through the
-chunk in reverse, reading the parameter cotangents out of `(h, l)` with reductions
-over `D` or `N`. Both recurrences are the backend's (`scan.recurrence`). The
-derivation is in `docs/devdocs/selective.md`.
+states are never stored, forward or backward.
+
+One skeleton (`selective_chunks`) does the checkpointing: a forward scan over the
+chunks that keeps the state entering each, and a reversed scan that carries the
+adjoint `nu` (the cotangent reaching a chunk's last state from later steps) and the
+cotangent of `A`. Two kernels run a chunk inside it:
+
+- `RecurrenceKernel`: the chunk's `(L, D, N)` decays and inputs through a backend's
+  `recurrence`, forward and (the adjoint `l_t = a_{t+1} l_{t+1} + gy_t C_t`)
+  backward, the cotangents read out of `(h, l)` by reductions;
+- `LoopKernel`: one step at a time, the decay, input, update and read-out computed
+  in one loop body (no `(L, D, N)` array of decays or inputs is formed); backward,
+  the chunk's states are recomputed into one buffer and the adjoint stepped in
+  reverse.
+
+The derivation is in `docs/devdocs/selective.md`.
 """
 
+import abc
 import functools as ft
 
+import equinox as eqx
 import jax
 import jax.lax as lax
 import jax.numpy as jnp
@@ -39,21 +51,141 @@ def selective_decay(delta: Array, A: Array, keep: Array) -> Array:
     return jnp.where(keep == 0, jnp.zeros((), A.dtype), jnp.exp(delta * A))
 
 
-def _chunk_states(scan, delta, A, u, B, keep, h_in):
-    """The decays `a` and every state `h` of one chunk, both `(L, D, N)`."""
-    a = selective_decay(delta[:, :, None], A[None], keep[:, None, None])
-    b = (delta * u)[:, :, None] * B[:, None, :]
-    return a, scan.recurrence(a, b, h_in)
+def _coefficients(A, delta_t, u_t, B_t, keep_t):
+    """`(a_t, b_t)` of one step, both `(D, N)`; `keep_t = 0` at a segment start."""
+    a = selective_decay(delta_t[:, None], A, keep_t)
+    return a, (delta_t * u_t)[:, None] * B_t[None, :]
 
 
-def _forward(scan: AbstractScan, chunk: int, delta, A, u, B, C, keep, h0):
+def selective_step(
+    h: Array, A: Array, delta_t: Array, u_t: Array, B_t: Array, C_t: Array, keep_t
+) -> tuple[Array, Array]:
+    """One step of the recurrence and its read-out: `(h_t, h_t C_t)` from
+    `h_{t-1}` `(D, N)`; `keep_t = 0` starts a segment (the state is replaced,
+    whatever it held). `LoopKernel` and `Mamba.step` both step with it."""
+    a, b = _coefficients(A, delta_t, u_t, B_t, keep_t)
+    h = decayed(a, h) + b
+    return h, jnp.sum(h * C_t[None, :], axis=1)
+
+
+class AbstractKernel(eqx.Module):
+    """How one chunk of `L` steps runs inside `selective_chunks`."""
+
+    @abc.abstractmethod
+    def forward(self, A, h, delta, u, B, C, keep) -> tuple[Array, Array]:
+        """`(h_last, y)` of the chunk from the state `h` entering it."""
+
+    @abc.abstractmethod
+    def backward(self, A, nu, gA, h, delta, u, B, C, keep, gy) -> tuple:
+        """`(nu, gA, (g_delta, g_u, g_B, g_C))`: the cotangent reaching the state
+        entering the chunk and that of `A` so far, from those after it (`nu`,
+        `gA`), the chunk's entering state `h` and the cotangent `gy` of its
+        outputs."""
+
+
+class RecurrenceKernel(AbstractKernel):
+    """A chunk through the backend's recurrence, forward and backward."""
+
+    scan: AbstractScan
+
+    def _states(self, A, h, delta, u, B, keep):
+        """The decays `a` and every state of the chunk, both `(L, D, N)`."""
+        a = selective_decay(delta[:, :, None], A[None], keep[:, None, None])
+        b = (delta * u)[:, :, None] * B[:, None, :]
+        return a, self.scan.recurrence(a, b, h)
+
+    def forward(self, A, h, delta, u, B, C, keep):
+        _, states = self._states(A, h, delta, u, B, keep)
+        return states[-1], jnp.einsum("ldn,ln->ld", states, C)
+
+    def backward(self, A, nu, gA, h, delta, u, B, C, keep, gy):
+        a, states = self._states(A, h, delta, u, B, keep)
+        # l_t = a_{t+1} l_{t+1} + gy_t C_t, run backwards from `nu`
+        a_next = jnp.concatenate([a[1:], jnp.ones_like(a[:1])])
+        rhs = gy[:, :, None] * C[:, None, :]
+        lam = self.scan.recurrence(a_next, rhs, nu, reverse=True)
+        h_prev = jnp.concatenate([h[None], states[:-1]])
+        # h_t = a_t h_{t-1} + (delta_t u_t) B_t with a_t = exp(delta_t A):
+        g_log_a = lam * decayed(a, h_prev)  # cotangent of delta_t A
+        g_drive = jnp.einsum("ldn,ln->ld", lam, B)  # of delta_t u_t
+        g_delta = jnp.einsum("ldn,dn->ld", g_log_a, A) + g_drive * u
+        g_B = jnp.einsum("ldn,ld->ln", lam, delta * u)
+        g_C = jnp.einsum("ldn,ld->ln", states, gy)
+        gA = gA + jnp.einsum("ldn,ld->dn", g_log_a, delta)
+        return decayed(a[0], lam[0]), gA, (g_delta, g_drive * delta, g_B, g_C)
+
+
+def _row(x: Array, t) -> Array:
+    return lax.dynamic_index_in_dim(x, t, keepdims=False)
+
+
+def _put(buffer: Array, t, value: Array) -> Array:
+    return lax.dynamic_update_index_in_dim(buffer, value, t, 0)
+
+
+class LoopKernel(AbstractKernel):
+    """A chunk one step at a time, everything of a step in one loop body."""
+
+    unroll: int = eqx.field(static=True)
+
+    def forward(self, A, h, delta, u, B, C, keep):
+        def step(t, carry):
+            h, y = carry
+            rows = (_row(x, t) for x in (delta, u, B, C, keep))
+            h, y_t = selective_step(h, A, *rows)
+            return h, _put(y, t, y_t)
+
+        y = zeros_like_inputs(u.shape, u.dtype, h, delta, u, B, C)
+        return lax.fori_loop(0, u.shape[0], step, (h, y), unroll=self.unroll)
+
+    def backward(self, A, nu, gA, h, delta, u, B, C, keep, gy):
+        L = u.shape[0]
+
+        def coefficients(t):
+            return _coefficients(
+                A, _row(delta, t), _row(u, t), _row(B, t), _row(keep, t)
+            )
+
+        def recompute(t, carry):
+            h, previous = carry
+            a, b = coefficients(t)
+            return decayed(a, h) + b, _put(previous, t, h)
+
+        # the buffer varies over the mesh like the inputs (under `jax.shard_map`)
+        empty = zeros_like_inputs((L, *h.shape), h.dtype, h, delta, u, B)
+        _, previous = lax.fori_loop(0, L, recompute, (h, empty), unroll=self.unroll)
+
+        def adjoint(i, carry):
+            t = L - 1 - i
+            nu, gA, g_delta, g_u, g_B, g_C = carry
+            delta_t, u_t, B_t, gy_t = (_row(x, t) for x in (delta, u, B, gy))
+            a, b = coefficients(t)
+            forgotten = decayed(a, _row(previous, t))  # a_t h_{t-1}
+            lam = nu + gy_t[:, None] * _row(C, t)[None, :]
+            g_log_a = lam * forgotten  # cotangent of delta_t A
+            g_drive = jnp.sum(lam * B_t[None, :], axis=1)  # of delta_t u_t
+            g_delta = _put(g_delta, t, jnp.sum(g_log_a * A, axis=1) + g_drive * u_t)
+            g_u = _put(g_u, t, g_drive * delta_t)
+            g_B = _put(g_B, t, jnp.sum((delta_t * u_t)[:, None] * lam, axis=0))
+            g_C = _put(g_C, t, jnp.sum(gy_t[:, None] * (forgotten + b), axis=0))
+            gA = gA + g_log_a * delta_t[:, None]
+            return decayed(a, lam), gA, g_delta, g_u, g_B, g_C
+
+        outputs = tuple(
+            zeros_like_inputs(x.shape, x.dtype, nu, gy, h, x) for x in (delta, u, B, C)
+        )
+        nu, gA, *grads = lax.fori_loop(
+            0, L, adjoint, (nu, gA, *outputs), unroll=self.unroll
+        )
+        return nu, gA, tuple(grads)
+
+
+def _forward(kernel: AbstractKernel, chunk: int, delta, A, u, B, C, keep, h0):
     """`(y, h_last, h_in)`, `h_in[k]` the state entering chunk `k`."""
 
     def body(h, xs):
-        delta_c, u_c, B_c, C_c, keep_c = xs
-        _, h_c = _chunk_states(scan, delta_c, A, u_c, B_c, keep_c, h)
-        y_c = jnp.einsum("ldn,ln->ld", h_c, C_c)
-        return h_c[-1], (y_c, h)
+        h_last, y = kernel.forward(A, h, *xs)
+        return h_last, (y, h)
 
     xs = tuple(chunked(x, chunk) for x in (delta, u, B, C, keep))
     h_last, (y, h_in) = lax.scan(body, h0, xs)
@@ -61,52 +193,34 @@ def _forward(scan: AbstractScan, chunk: int, delta, A, u, B, C, keep, h0):
 
 
 @ft.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def fused_selective_scan(
-    scan: AbstractScan, chunk: int, delta, A, u, B, C, keep, h0
+def selective_chunks(
+    kernel: AbstractKernel, chunk: int, delta, A, u, B, C, keep, h0
 ) -> tuple[Array, Array]:
-    """`(y, h_last)` for inputs whose length is a multiple of `chunk`; `keep` is
-    `(T,)`, zero where a segment starts (not differentiated)."""
-    y, h_last, _ = _forward(scan, chunk, delta, A, u, B, C, keep, h0)
+    """`(y, h_last)` for inputs whose length is a multiple of `chunk`, each chunk
+    run by `kernel`; `keep` is `(T,)`, zero where a segment starts (not
+    differentiated)."""
+    y, h_last, _ = _forward(kernel, chunk, delta, A, u, B, C, keep, h0)
     return y, h_last
 
 
-def _fwd(scan, chunk, delta, A, u, B, C, keep, h0):
-    y, h_last, h_in = _forward(scan, chunk, delta, A, u, B, C, keep, h0)
+def _fwd(kernel, chunk, delta, A, u, B, C, keep, h0):
+    y, h_last, h_in = _forward(kernel, chunk, delta, A, u, B, C, keep, h0)
     return (y, h_last), (delta, A, u, B, C, keep, h_in)
 
 
-def _bwd(scan, chunk, residuals, cotangents):
+def _bwd(kernel, chunk, residuals, cotangents):
     delta, A, u, B, C, keep, h_in = residuals
     gy, g_last = cotangents
-    L = chunk
 
     def body(carry, xs):
-        # `carry`: the cotangent that reaches the chunk's last state from later
-        # steps, `a_{t+1} l_{t+1}` for its last step `t` (`g_last` after the end);
-        # `gA`: the cotangent of `A`, summed over the chunks seen so far.
-        nu, gA = carry
-        delta_c, u_c, B_c, C_c, keep_c, gy_c, h_start = xs
-        a, h = _chunk_states(scan, delta_c, A, u_c, B_c, keep_c, h_start)
-        # l_t = a_{t+1} l_{t+1} + gy_t C_t, run backwards from `nu`
-        a_next = jnp.concatenate([a[1:], jnp.ones_like(a[:1])])
-        rhs = gy_c[:, :, None] * C_c[:, None, :]
-        lam = scan.recurrence(a_next, rhs, nu, reverse=True)
-        h_prev = jnp.concatenate([h_start[None], h[:-1]])
-        # h_t = a_t h_{t-1} + (delta_t u_t) B_t with a_t = exp(delta_t A):
-        g_log_a = lam * decayed(a, h_prev)  # cotangent of delta_t A
-        g_drive = jnp.einsum("ldn,ln->ld", lam, B_c)  # of delta_t u_t
-        g_delta = jnp.einsum("ldn,dn->ld", g_log_a, A) + g_drive * u_c
-        g_u = g_drive * delta_c
-        g_B = jnp.einsum("ldn,ld->ln", lam, delta_c * u_c)
-        g_C = jnp.einsum("ldn,ld->ln", h, gy_c)
-        gA = gA + jnp.einsum("ldn,ld->dn", g_log_a, delta_c)
-        return (decayed(a[0], lam[0]), gA), (g_delta, g_u, g_B, g_C)
+        nu, gA, grads = kernel.backward(A, *carry, xs[-1], *xs[:-1])
+        return (nu, gA), grads
 
-    xs = tuple(chunked(x, L) for x in (delta, u, B, C, keep, gy)) + (h_in,)
+    xs = tuple(chunked(x, chunk) for x in (delta, u, B, C, keep, gy)) + (h_in,)
     gA0 = zeros_like_inputs(A.shape, A.dtype, delta, u, B, C, gy, A)
     (g_h0, gA), grads = lax.scan(body, (g_last, gA0), xs, reverse=True)
     g_delta, g_u, g_B, g_C = (unchunked(g) for g in grads)
     return g_delta, gA, g_u, g_B, g_C, jnp.zeros_like(keep), g_h0
 
 
-fused_selective_scan.defvjp(_fwd, _bwd)
+selective_chunks.defvjp(_fwd, _bwd)

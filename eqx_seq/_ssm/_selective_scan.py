@@ -9,8 +9,12 @@ from jaxtyping import Array, ArrayLike, Bool, Float
 from .._misc import check_positive_int, check_reset, vary_like
 from .._scan import AbstractScan, AutoScan, check_scan, SequentialScan
 from .._sharded_scan import ShardedScan
-from ._selective_core import fused_selective_scan, selective_decay
-from ._selective_loop import looped_selective_scan
+from ._selective_core import (
+    LoopKernel,
+    RecurrenceKernel,
+    selective_chunks,
+    selective_decay,
+)
 
 
 def _check_shapes(arrays: dict, T: int, D: int, N: int) -> None:
@@ -38,8 +42,10 @@ def _block(scan: AbstractScan, chunk: int, args: tuple, h0: Array) -> tuple:
     """`(y, h_last)` of the selective recurrence from `h0`, by the backend's
     algorithm: the fused loop of a sequential one, else its chunked recurrences."""
     if isinstance(scan, SequentialScan):
-        return looped_selective_scan(chunk, scan.unroll, *args, h0)
-    return fused_selective_scan(scan, chunk, *args, h0)
+        kernel = LoopKernel(scan.unroll)
+    else:
+        kernel = RecurrenceKernel(scan)
+    return selective_chunks(kernel, chunk, *args, h0)
 
 
 @eqx.filter_jit
