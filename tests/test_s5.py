@@ -524,6 +524,8 @@ def test_bad_input(getkey):
         layer(jnp.ones((T, H)), h0=jnp.zeros(5, jnp.complex128))
     with pytest.raises(ValueError, match="step"):
         layer.step(layer.init_state(), jnp.ones(H + 1))
+    with pytest.raises(ValueError, match="needs the previous state"):
+        layer.step(None, jnp.ones(H))
     with pytest.raises(ValueError, match="even"):
         eqx_seq.S5(H, 6, blocks=2, key=getkey())
     with pytest.raises(ValueError, match="divide"):

@@ -297,6 +297,11 @@ class AbstractDiagonalSSM(eqx.Module):
                 f"`step` takes one input of shape ({self.input_size},), got shape "
                 f"{u_t.shape}."
             )
+        if state is None:
+            raise ValueError(
+                f"`step` needs the previous state, shape ({self.num_states},): "
+                "`init_state()` to start, got None."
+            )
         u, dt_seq, state = self._check_inputs(u_t[None], dt_seq, state, streaming=True)
         u = u.astype(self._real_dtype(u))
         decay, gain = self._coefficients(dt_seq, u.dtype)
