@@ -311,3 +311,99 @@ def test_s5_optimizer_refuses_bad_rates(kwargs):
 def test_s5_optimizer_takes_scalar_arrays_and_schedules():
     eqx_seq.s5_optimizer(jnp.asarray(1e-3), ssm_learning_rate=np.float32(1e-4))
     eqx_seq.s5_optimizer(lambda step: 1e-3, weight_decay=0)
+
+
+# ------------------------------------------- models: arguments, states, tokens
+# (argument, value) for which the argument is invalid, whatever the mixer
+_BAD_BLOCK_ARGUMENTS = [
+    ("dropout", 2.0),
+    ("dropout", math.nan),
+    ("norm", "batch"),
+    ("activation", "no_such_activation"),
+    ("ssm_blocks", 0),
+    ("state_size", -1),
+    ("prenorm", "no"),
+]
+_APPLIES = {
+    "state_size": ("s5", "lru", "mamba"),
+    "ssm_blocks": ("s5",),
+    "activation": ("s5", "lru"),
+    "norm": ("s5", "lru", "mamba"),
+    "prenorm": ("s5", "lru"),
+    "dropout": ("s5", "lru", "mamba"),
+}
+
+
+@pytest.mark.parametrize("mixer", ["s5", "lru", "rglru", "mamba"])
+@pytest.mark.parametrize("name, value", _BAD_BLOCK_ARGUMENTS)
+def test_classifier_refuses_block_arguments_bad_or_not_the_mixers(name, value, mixer):
+    kwargs = {"width": 8, "depth": 1, "mixer": mixer, name: value}
+    # an argument the mixer has no use for is named with the mixers it is for;
+    # one it has is checked
+    match = (
+        f"`{name}`"
+        if mixer in _APPLIES[name]
+        else f"`{name}` applies to mixer=.*got `{name}=.*` with mixer='{mixer}'"
+    )
+    with pytest.raises(ValueError, match=match):
+        eqx_seq.SequenceClassifier(2, 3, key=jr.key(0), **kwargs)
+
+
+@pytest.mark.parametrize(
+    "mixer, kwargs",
+    [
+        ("rglru", dict(state_size=8)),
+        ("rglru", dict(dropout=0.1)),
+        ("rglru", dict(norm="rms")),
+        ("mamba", dict(activation="gelu")),
+        ("mamba", dict(prenorm=False)),
+        ("lru", dict(ssm_blocks=2)),
+        ("mamba", dict(ssm_blocks=2)),
+    ],
+)
+def test_models_refuse_valid_arguments_the_mixer_has_no_use_for(mixer, kwargs):
+    (name,) = kwargs
+    with pytest.raises(ValueError, match=f"`{name}` applies to mixer="):
+        eqx_seq.SequenceClassifier(
+            2, 3, width=8, depth=1, mixer=mixer, key=jr.key(0), **kwargs
+        )
+    if name not in ("norm", "prenorm"):  # the language model fixes these
+        with pytest.raises(ValueError, match=f"`{name}` applies to mixer="):
+            eqx_seq.LanguageModel(
+                10, width=8, depth=1, mixer=mixer, key=jr.key(0), **kwargs
+            )
+
+
+def test_models_take_the_arguments_that_apply_and_the_defaults():
+    model = eqx_seq.SequenceClassifier(
+        2,
+        3,
+        width=8,
+        depth=1,
+        state_size=4,
+        mixer="mamba",
+        norm="rms",
+        dropout=0.1,
+        key=jr.key(0),
+    )
+    block = model.blocks[0]
+    assert isinstance(block.norm, eqx.nn.RMSNorm) and block.dropout.p == 0.1
+    assert block.mamba.state_size == 4
+    # the defaults, spelled out, are not refused: nor an int for a float default
+    eqx_seq.SequenceClassifier(
+        2,
+        3,
+        width=8,
+        depth=1,
+        mixer="rglru",
+        state_size=64,
+        ssm_blocks=1,
+        activation="half_glu1",
+        norm="layer",
+        prenorm=True,
+        dropout=0,
+        key=jr.key(0),
+    )
+    eqx_seq.LanguageModel(
+        10, width=8, depth=1, mixer="rglru", dropout=0.0, key=jr.key(0)
+    )

@@ -14,14 +14,20 @@ import eqx_seq
 SCANS = [eqx_seq.SequentialScan(), eqx_seq.AssociativeScan()]
 
 
-def classifier(key, scan=eqx_seq.AutoScan(), **kw):
+def small(kw):
+    """Small models' arguments; no `state_size` for the RG-LRU, which has none."""
     kw = {"width": 8, "depth": 2, "state_size": 8, "dtype": jnp.float64, **kw}
-    return eqx_seq.SequenceClassifier(2, 3, scan=scan, key=key, **kw)
+    if kw.get("mixer") == "rglru":
+        del kw["state_size"]
+    return kw
+
+
+def classifier(key, scan=eqx_seq.AutoScan(), **kw):
+    return eqx_seq.SequenceClassifier(2, 3, scan=scan, key=key, **small(kw))
 
 
 def lm(key, scan=eqx_seq.AutoScan(), **kw):
-    kw = {"width": 8, "depth": 2, "state_size": 8, "dtype": jnp.float64, **kw}
-    return eqx_seq.LanguageModel(11, scan=scan, key=key, **kw)
+    return eqx_seq.LanguageModel(11, scan=scan, key=key, **small(kw))
 
 
 MIXERS = ["s5", "lru", "rglru", "mamba"]

@@ -7,7 +7,7 @@ import equinox as eqx
 import jax.random as jr
 from jaxtyping import Array, PRNGKeyArray
 
-from .._misc import check_positive_int
+from .._misc import check_positive_int, check_real
 from .._scan import AbstractScan
 from .._ssm._block import S5Block
 from .._ssm._hawk import HawkBlock
@@ -20,6 +20,67 @@ from .._ssm._s5 import S5
 MIXERS = ("s5", "lru", "rglru", "mamba")
 Mixer = Literal["s5", "lru", "rglru", "mamba"]
 Block = S5Block | HawkBlock | MambaBlock
+
+# The block arguments that only some mixers have: the mixers they apply to, their
+# default (the models' signatures' default), and why the other mixers have none.
+# Given to another mixer, a value other than the default is refused: ignoring it
+# would train a different model from the one asked for.
+BLOCK_ARGUMENTS = {
+    "state_size": (
+        ("s5", "lru", "mamba"),
+        64,
+        "the RG-LRU's state is as wide as the model",
+    ),
+    "ssm_blocks": (("s5",), 1, "it sets the HiPPO blocks of S5's initialisation"),
+    "activation": (
+        ("s5", "lru"),
+        "half_glu1",
+        "it is the S5 block's; Hawk and Mamba blocks have their own gates",
+    ),
+    "norm": (("s5", "lru", "mamba"), "layer", "Hawk blocks have their own RMSNorms"),
+    "prenorm": (
+        ("s5", "lru"),
+        True,
+        "Hawk and Mamba blocks always normalise their input",
+    ),
+    "dropout": (("s5", "lru", "mamba"), 0.0, "Hawk blocks have no dropout"),
+}
+
+
+def _is_default(value: object, default: object) -> bool:
+    """`value` is `default` (a number equal to a float default counts, a bool or
+    an array never stands for a number)."""
+    if isinstance(default, float):
+        return (
+            isinstance(value, (int, float))
+            and not isinstance(value, bool)
+            and value == default
+        )
+    return type(value) is type(default) and value == default
+
+
+def check_block_arguments(mixer: object, **arguments: object) -> None:
+    """A `ValueError` for an unknown `mixer`, for an argument of
+    `BLOCK_ARGUMENTS` given to a mixer it does not apply to (a value other than
+    its default), and for an invalid value of one that applies (those the blocks
+    do not check themselves)."""
+    if not isinstance(mixer, str) or mixer not in MIXERS:
+        raise ValueError(f"`mixer` must be one of {MIXERS}, got {mixer!r}.")
+    for name, value in arguments.items():
+        mixers, default, why = BLOCK_ARGUMENTS[name]
+        if mixer not in mixers:
+            if not _is_default(value, default):
+                raise ValueError(
+                    f"`{name}` applies to mixer={' or '.join(map(repr, mixers))} "
+                    f"only ({why}), got `{name}={value!r}` with mixer={mixer!r}: "
+                    f"leave it at its default, {default!r}."
+                )
+        elif name in ("state_size", "ssm_blocks"):
+            check_positive_int(name, value)
+        elif name == "prenorm" and not isinstance(value, bool):
+            raise ValueError(f"`prenorm` must be a bool, got {value!r}.")
+        elif name == "dropout" and not 0 <= check_real("dropout", value) < 1:
+            raise ValueError(f"`dropout` must be in [0, 1), got {value!r}.")
 
 
 def make_blocks(
@@ -40,11 +101,21 @@ def make_blocks(
 ) -> tuple[Block, ...]:
     """`depth` residual blocks of width `width`, every recurrence with the backend
     `scan`: [`eqx_seq.S5Block`][]s around S5 or LRU layers,
-    [`eqx_seq.HawkBlock`][]s or [`eqx_seq.MambaBlock`][]s (`activation`, `prenorm`
-    and `ssm_blocks` are the S5 block's; the selective layers are causal)."""
+    [`eqx_seq.HawkBlock`][]s or [`eqx_seq.MambaBlock`][]s. An argument that the
+    mixer's blocks do not have (`BLOCK_ARGUMENTS`; `bidirectional=True` for the
+    causal selective layers) is refused."""
     check_positive_int("depth", depth)
-    if mixer not in MIXERS:
-        raise ValueError(f"`mixer` must be one of {MIXERS}, got {mixer!r}.")
+    check_block_arguments(
+        mixer,
+        state_size=state_size,
+        ssm_blocks=ssm_blocks,
+        activation=activation,
+        norm=norm,
+        prenorm=prenorm,
+        dropout=dropout,
+    )
+    if not isinstance(bidirectional, bool):
+        raise ValueError(f"`bidirectional` must be a bool, got {bidirectional!r}.")
     if bidirectional and mixer not in ("s5", "lru"):
         raise ValueError(
             f'`bidirectional=True` is for the "s5" and "lru" mixers; the {mixer!r} '

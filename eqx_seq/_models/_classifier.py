@@ -25,6 +25,21 @@ class SequenceClassifier(eqx.Module):
     `eqx_seq.s5_optimizer` (SSM parameters at their own learning rate, without
     weight decay).
 
+    The arguments of the blocks that only some mixers have:
+
+    | argument        | `"s5"` | `"lru"` | `"rglru"` | `"mamba"` |
+    |-----------------|:------:|:-------:|:---------:|:---------:|
+    | `state_size`    |   ✓    |    ✓    |           |     ✓     |
+    | `ssm_blocks`    |   ✓    |         |           |           |
+    | `bidirectional` |   ✓    |    ✓    |           |           |
+    | `activation`    |   ✓    |    ✓    |           |           |
+    | `norm`          |   ✓    |    ✓    |           |     ✓     |
+    | `prenorm`       |   ✓    |    ✓    |           |           |
+    | `dropout`       |   ✓    |    ✓    |           |     ✓     |
+
+    One given a value other than its default with a mixer that has no such
+    argument is refused (`ValueError`) rather than ignored.
+
     !!! Example
 
         ```python
@@ -69,14 +84,21 @@ class SequenceClassifier(eqx.Module):
         - `width`: the model width `H` (features inside the blocks).
         - `depth`: the number of blocks.
         - `state_size`: each SSM's `state_size` (for Mamba, the states per
-            channel; the RG-LRU's state is the width, and this is not used).
+            channel). Not for `mixer="rglru"`: the RG-LRU's state is the width.
         - `mixer`: `"s5"`, `"lru"`, `"rglru"` or `"mamba"`.
-        - `ssm_blocks`: S5's `blocks` (HiPPO blocks of the initialisation).
+        - `ssm_blocks`: S5's `blocks` (HiPPO blocks of the initialisation);
+            `mixer="s5"` only.
         - `bidirectional`: non-causal SSMs (a backward recurrence too; S5 and LRU
             only).
         - `pooling`: `"mean"` over (valid) steps or the `"last"` (valid) step.
-        - `activation`, `norm`, `prenorm`, `dropout`: for every
-            [`eqx_seq.S5Block`][].
+        - `activation`, `prenorm`: for every [`eqx_seq.S5Block`][] (`"s5"` and
+            `"lru"` only).
+        - `norm`: `"layer"` or `"rms"`, the norm of every [`eqx_seq.S5Block`][]
+            or [`eqx_seq.MambaBlock`][] (not `"rglru"`: a
+            [`eqx_seq.HawkBlock`][] has its own RMSNorms).
+        - `dropout`: in `[0, 1)`, in every [`eqx_seq.S5Block`][] or
+            [`eqx_seq.MambaBlock`][] (not `"rglru"`: a [`eqx_seq.HawkBlock`][]
+            has no dropout).
         - `scan`: the recurrence backend of every layer. With
             [`eqx_seq.ShardedScan`][] (S5 or LRU mixers), the sequence's time axis
             is split over devices inside `jax.shard_map`: the pooling sums over

@@ -61,7 +61,11 @@ class LanguageModel(eqx.Module):
 
         - `vocab_size`: the number of tokens.
         - `width`, `depth`, `state_size`, `mixer`, `ssm_blocks`, `activation`,
-            `dropout`: as for [`eqx_seq.SequenceClassifier`][] (always causal).
+            `dropout`: as for [`eqx_seq.SequenceClassifier`][] (always causal,
+            with pre-norm LayerNorms). `state_size` is not for `mixer="rglru"`,
+            `ssm_blocks` is for `"s5"` only, `activation` for `"s5"` and `"lru"`,
+            and `dropout` not for `"rglru"`: one of them given a value other than
+            its default with a mixer that has no such argument is refused.
         - `scan`: the recurrence backend of every layer.
         - `dtype`: the parameter dtype.
         - `key`: a `jax.random` key. (Keyword only.)
