@@ -407,3 +407,42 @@ def test_models_take_the_arguments_that_apply_and_the_defaults():
     eqx_seq.LanguageModel(
         10, width=8, depth=1, mixer="rglru", dropout=0.0, key=jr.key(0)
     )
+
+
+def test_mamba_block_names_its_own_bad_input():
+    block = eqx_seq.MambaBlock(eqx_seq.Mamba(8, state_size=2, key=jr.key(0)))
+    for x in [jnp.ones((5, 9)), jnp.ones(5)]:
+        with pytest.raises(ValueError, match=r"MambaBlock.*\(T, 8\)"):
+            block(x)
+        with pytest.raises(ValueError, match=r"MambaBlock.*\(T, 8\)"):
+            block.final_state(x)
+    for x_t in [jnp.ones((1, 8)), jnp.ones(9), jnp.ones(8, jnp.int32)]:
+        with pytest.raises(ValueError, match=r"MambaBlock.step.*\(8,\)"):
+            block.step(block.init_state(), x_t)
+    with pytest.raises(ValueError, match=r"`state` must be a pair.*got NoneType"):
+        block.step(None, jnp.ones(8))
+
+
+@pytest.mark.parametrize("block", ["hawk", "mamba"])
+def test_block_step_refuses_a_state_of_another_structure(block):
+    if block == "hawk":
+        b = eqx_seq.HawkBlock(8, key=jr.key(0))
+    else:
+        b = eqx_seq.MambaBlock(eqx_seq.Mamba(8, state_size=2, key=jr.key(0)))
+    conv, inner = b.init_state()
+    x = jnp.ones(8)
+    for state in [
+        None,
+        (),
+        (conv,),
+        (conv, inner, inner),
+        (None, inner),
+        ("abc", inner),
+        (conv.astype(jnp.complex128), inner),
+        (conv, jnp.zeros(inner.shape, jnp.int32)),
+        (conv, jnp.zeros(inner.shape, bool)),
+        (conv[None], inner),
+        (conv, inner[..., None]),
+    ]:
+        with pytest.raises(ValueError, match=r"`state(\[\d\])?`"):
+            b.step(state, x)

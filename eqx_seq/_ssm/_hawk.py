@@ -130,12 +130,32 @@ class HawkBlock(eqx.Module):
 
     def _check_state(self, state, what: str) -> tuple[Array, Array]:
         name = "HawkBlock"
-        if not isinstance(state, (tuple, list)) or len(state) != 2:
-            raise ValueError(
-                f"`{name}`: `{what}` must be a tuple (conv_state, rglru_state), got "
-                f"{type(state).__name__}."
-            )
         conv_shape = (self.conv.kernel_size - 1, self.lru_width)
+        expected = (
+            f"a tuple (conv_state, rglru_state) of real floating arrays of shapes "
+            f"{conv_shape} and ({self.lru_width},), as `init_state()` returns"
+        )
+        if not isinstance(state, (tuple, list)) or len(state) != 2:
+            given = (
+                f"a {type(state).__name__} of length {len(state)}"
+                if isinstance(state, (tuple, list))
+                else type(state).__name__
+            )
+            raise ValueError(f"`{name}`: `{what}` must be {expected}, got {given}.")
+        for i, part in enumerate(state):
+            # not an array (None, a string) or not floating: integers and bools
+            # would be cast silently into a state no step could have produced
+            try:
+                dtype = jnp.asarray(part).dtype
+            except (TypeError, ValueError):
+                dtype = None
+            if dtype is None or not jnp.issubdtype(dtype, jnp.inexact):
+                given = type(part).__name__ if dtype is None else str(dtype)
+                raise ValueError(
+                    f"`{name}`: `{what}[{i}]` ({('conv_state', 'rglru_state')[i]}) "
+                    f"must be a real floating array, as in `init_state()`, got "
+                    f"{given}."
+                )
         return (
             check_state(state[0], conv_shape, name, f"{what}[0]"),
             check_state(state[1], (self.lru_width,), name, f"{what}[1]"),

@@ -79,15 +79,59 @@ class MambaBlock(eqx.Module):
 
         Shape `(T, H)`.
         """
-        x = jnp.asarray(x)
-        if x.ndim != 2:
-            raise ValueError(
-                f"`MambaBlock` takes one sequence of shape (T, H), got shape "
-                f"{x.shape}; use `jax.vmap` for a batch."
-            )
+        x = self._check_sequence(x)
         y = self.mamba(jax.vmap(self.norm)(x), reset=reset, h0=h0)
         mask = self.dropout(jnp.ones(y.shape[-1], y.dtype), key=key)
         return x.astype(y.dtype) + y * mask[None]
+
+    def _check_sequence(self, x: object) -> Array:
+        """`x` if it is one real floating sequence `(T, H)`: checked before the
+        norm, whose own error would name `RMSNorm` or `LayerNorm`."""
+        x = jnp.asarray(x)
+        size = self.mamba.input_size
+        if x.ndim != 2 or x.shape[0] == 0 or x.shape[1] != size:
+            raise ValueError(
+                f"`MambaBlock` takes one sequence of shape (T, H) = (T, {size}) with "
+                f"T >= 1, got shape {x.shape}; use `jax.vmap` for a batch."
+            )
+        if not jnp.issubdtype(x.dtype, jnp.floating):
+            raise ValueError(
+                f"`MambaBlock` needs a real floating input, got {x.dtype}."
+            )
+        return x
+
+    def _check_state(self, state: object) -> MambaState:
+        """`state` if it is a pair of real floating arrays shaped as those of
+        `init_state()`."""
+        shapes = tuple(s.shape for s in jax.eval_shape(self.init_state))
+        expected = (
+            "a pair `(conv_state, ssm_state)` of real floating arrays of shapes "
+            f"{shapes[0]} and {shapes[1]}, as `init_state()` returns"
+        )
+        if not isinstance(state, (tuple, list)) or len(state) != 2:
+            given = (
+                f"a {type(state).__name__} of length {len(state)}"
+                if isinstance(state, (tuple, list))
+                else type(state).__name__
+            )
+            raise ValueError(
+                f"`MambaBlock.step`: `state` must be {expected}, got {given}."
+            )
+        parts = []
+        for i, (part, shape) in enumerate(zip(state, shapes)):
+            want = (
+                f"`MambaBlock.step`: `state[{i}]` ({('conv_state', 'ssm_state')[i]}) "
+                f"must be a real floating array of shape {shape}, as in "
+                "`init_state()`, got"
+            )
+            try:
+                part = jnp.asarray(part)
+            except (TypeError, ValueError):  # None, a string, an object
+                raise ValueError(f"{want} {type(part).__name__}.") from None
+            if part.shape != shape or not jnp.issubdtype(part.dtype, jnp.floating):
+                raise ValueError(f"{want} {part.dtype} of shape {part.shape}.")
+            parts.append(part)
+        return tuple(parts)
 
     def init_state(self) -> MambaState:
         """The Mamba layer's zero state, for step mode."""
@@ -101,7 +145,7 @@ class MambaBlock(eqx.Module):
         h0: MambaState | None = None,
     ) -> MambaState:
         """The Mamba layer's state after the last step of `x` (streaming)."""
-        z = jax.vmap(self.norm)(jnp.asarray(x))
+        z = jax.vmap(self.norm)(self._check_sequence(x))
         return self.mamba.final_state(z, reset=reset, h0=h0)
 
     def step(
@@ -113,10 +157,26 @@ class MambaBlock(eqx.Module):
     ) -> tuple[MambaState, Float[Array, " H"]]:
         """One step (RNN mode), equal to the parallel call in inference mode.
 
+        **Arguments:**
+
+        - `state`: the previous `(conv_state, ssm_state)`, as `init_state()` or
+            the previous `step` returns it.
+        - `x_t`: this step's input, shape `(H,)`, real floating.
+        - `reset`: whether a segment starts at this step (a bool scalar).
+
         **Returns:**
 
         `(state, y_t)`, `y_t` of shape `(H,)`.
         """
+        # checked here, before the norm: the layer skips its check of a `None`
+        # state, and a wrong shape would meet the norm's own error first
+        state = self._check_state(state)
         x_t = jnp.asarray(x_t)
+        size = self.mamba.input_size
+        if x_t.shape != (size,) or not jnp.issubdtype(x_t.dtype, jnp.floating):
+            raise ValueError(
+                f"`MambaBlock.step` takes one real floating input of shape ({size},), "
+                f"got {x_t.dtype} of shape {x_t.shape}."
+            )
         state, y = self.mamba.step(state, self.norm(x_t), reset=reset)
         return state, x_t.astype(y.dtype) + y
