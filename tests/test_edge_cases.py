@@ -446,3 +446,51 @@ def test_block_step_refuses_a_state_of_another_structure(block):
     ]:
         with pytest.raises(ValueError, match=r"`state(\[\d\])?`"):
             b.step(state, x)
+
+
+def tiny_lm(mixer="s5", dtype=jnp.float64, depth=2, seed=0):
+    size = {} if mixer == "rglru" else {"state_size": 2}
+    return eqx_seq.LanguageModel(
+        10, width=8, depth=depth, mixer=mixer, dtype=dtype, key=jr.key(seed), **size
+    )
+
+
+def test_language_model_step_refuses_what_is_not_one_token_id():
+    lm = tiny_lm("mamba", depth=1)
+    for token in [jnp.array([1]), jnp.array(1.0), jnp.array(True)]:
+        with pytest.raises(ValueError, match="one token id, an integer scalar"):
+            lm.step(lm.init_state(), token)
+
+
+@pytest.mark.parametrize("mixer", ["s5", "rglru", "mamba"])
+def test_language_model_step_refuses_a_state_of_another_structure(mixer):
+    lm = tiny_lm(mixer)
+    state = lm.init_state()
+    token = jnp.array(1)
+    first = state[0]
+    leaves, treedef = jax.tree.flatten(first)
+    complex_ = jax.tree.unflatten(treedef, [x.astype(jnp.complex128) for x in leaves])
+    wider = jax.tree.unflatten(treedef, [jnp.zeros(x.shape + (1,)) for x in leaves])
+    integer = jax.tree.unflatten(treedef, [jnp.zeros(x.shape, int) for x in leaves])
+    bad = {
+        "one block's state": state[:1],
+        "empty": (),
+        "None": None,
+        "three": state + state[:1],
+        "None for a block": (None, state[1]),
+        "wider": (wider, state[1]),
+        "integer": (integer, state[1]),
+        "nested once more": ((first,), state[1]),
+    }
+    if mixer != "s5":  # the S5 block's state is complex itself
+        bad["complex"] = (complex_, state[1])
+    else:
+        bad["a pair for one array"] = ((first, first), state[1])
+    for s in bad.values():
+        with pytest.raises(ValueError, match=r"LanguageModel.step.*`state"):
+            lm.step(s, token)
+    # the structure of `init_state()`, with lists for tuples, is taken: traced only
+    as_lists = [list(s) if isinstance(s, tuple) else s for s in state]
+    out_state, logits = jax.eval_shape(lm.step, as_lists, token)
+    assert logits.shape == (10,)
+    assert jax.tree.structure(out_state) == jax.tree.structure(state)

@@ -119,13 +119,58 @@ class LanguageModel(eqx.Module):
         """The zero state of every block, for step mode."""
         return tuple(block.init_state() for block in self.blocks)
 
+    def _check_state(self, state: object) -> tuple[PyTree[Array], ...]:
+        """`state` (lists read as tuples) if it has the structure of `init_state()`:
+        one state per block, each with its leaves' shapes, floating (complex where
+        the block's is). Blocks are paired with states in order, so a state that
+        is short would skip blocks."""
+        expected = tuple(jax.eval_shape(block.init_state) for block in self.blocks)
+        state = _as_tuples(state)
+        if not isinstance(state, tuple) or len(state) != len(expected):
+            raise ValueError(
+                "`LanguageModel.step`: `state` must be a tuple of one state per block "
+                f"({len(expected)} blocks), as `init_state()` returns, got "
+                f"{_describe(state)}."
+            )
+        for i, (block, want, got) in enumerate(zip(self.blocks, expected, state)):
+            leaves = jax.tree.leaves(got)
+            if jax.tree.structure(got) != jax.tree.structure(want) or not all(
+                _fits(leaf, spec) for leaf, spec in zip(leaves, jax.tree.leaves(want))
+            ):
+                raise ValueError(
+                    f"`LanguageModel.step`: `state[{i}]`, the state of block {i} (a "
+                    f"`{type(block).__name__}`), must be {_describe(want)} as in "
+                    f"`init_state()`, got {_describe(got)}."
+                )
+        return state
+
     def step(
         self, state: tuple[PyTree[Array], ...], token: Int[ArrayLike, ""]
     ) -> tuple[tuple[PyTree[Array], ...], Float[Array, " V"]]:
-        """Feed one token; return the new states and the next-token logits `(V,)`."""
-        z = self.embedding(jnp.asarray(token))
+        """Feed one token (RNN mode): stepping through a sequence from
+        `init_state()` gives the logits of the parallel call.
+
+        **Arguments:**
+
+        - `state`: the state of every block, with the structure and shapes of
+            `init_state()` (as the previous `step` returns it).
+        - `token`: one token id, an integer scalar.
+
+        **Returns:**
+
+        `(state, logits)`: the new states and the next-token logits `(vocab_size,)`.
+        """
+        state = self._check_state(state)
+        token = jnp.asarray(token)
+        if token.shape != () or not jnp.issubdtype(token.dtype, jnp.integer):
+            raise ValueError(
+                "`LanguageModel.step` takes one token id, an integer scalar, got "
+                f"{token.dtype} of shape {token.shape}; `jax.lax.scan` over a "
+                "sequence, `jax.vmap` over a batch."
+            )
+        z = self.embedding(token)
         new = []
-        for block, s in zip(self.blocks, state):
+        for block, s in zip(self.blocks, state, strict=True):
             s, z = block.step(s, z)
             new.append(s)
         return tuple(new), self.embedding.attend(self.norm(z))
@@ -154,11 +199,45 @@ class LanguageModel(eqx.Module):
         """
         prompt = jnp.asarray(prompt)
         check_positive_int("num_tokens", num_tokens)
-        if prompt.ndim != 1 or prompt.shape[0] == 0:
+        if (
+            prompt.ndim != 1
+            or prompt.shape[0] == 0
+            or not jnp.issubdtype(prompt.dtype, jnp.integer)
+        ):
             raise ValueError(
-                f"`prompt` must have shape (T,), T >= 1, got {prompt.shape}."
+                "`prompt` must be token ids, integers of shape (T,) with T >= 1, got "
+                f"{prompt.dtype} of shape {prompt.shape}."
             )
         return _generate(self, prompt, num_tokens, key, _temperature(temperature))
+
+
+def _as_tuples(tree: object) -> object:
+    """`tree` with its lists and tuples as tuples."""
+    if isinstance(tree, (list, tuple)):
+        return tuple(_as_tuples(x) for x in tree)
+    return tree
+
+
+def _describe(tree: object) -> str:
+    """`tree` in words: its structure with `dtype[shape]` for every array."""
+    if isinstance(tree, tuple):
+        inner = ", ".join(_describe(x) for x in tree)
+        return f"({inner},)" if len(tree) == 1 else f"({inner})"
+    if hasattr(tree, "shape") and hasattr(tree, "dtype"):
+        return f"{tree.dtype}{list(tree.shape)}"
+    return repr(tree) if tree is None else type(tree).__name__
+
+
+def _fits(leaf: object, spec: jax.ShapeDtypeStruct) -> bool:
+    """Whether `leaf` can stand for an array like `spec`: the same shape, floating,
+    complex only where `spec` is."""
+    if not (hasattr(leaf, "shape") and hasattr(leaf, "dtype")):
+        return False
+    if jnp.issubdtype(spec.dtype, jnp.complexfloating):
+        kind = jnp.inexact
+    else:
+        kind = jnp.floating
+    return tuple(leaf.shape) == spec.shape and jnp.issubdtype(leaf.dtype, kind)
 
 
 _BAD_TEMPERATURE = "`temperature` must be finite and >= 0 (0 picks the likeliest token)"
