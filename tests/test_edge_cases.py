@@ -494,3 +494,10 @@ def test_language_model_step_refuses_a_state_of_another_structure(mixer):
     out_state, logits = jax.eval_shape(lm.step, as_lists, token)
     assert logits.shape == (10,)
     assert jax.tree.structure(out_state) == jax.tree.structure(state)
+
+
+@pytest.mark.parametrize("temperature", ["hot", 1j, np.complex64(1), None, [1.0]])
+def test_generate_refuses_temperatures_that_are_not_real_numbers(temperature):
+    lm = tiny_lm(depth=1)
+    with pytest.raises(ValueError, match="`temperature` must be a real number"):
+        lm.generate(jnp.array([1]), 2, key=jr.key(0), temperature=temperature)

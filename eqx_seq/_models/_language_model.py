@@ -191,7 +191,8 @@ class LanguageModel(eqx.Module):
         - `num_tokens`: how many tokens to sample.
         - `key`: a `jax.random` key.
         - `temperature`: divides the logits; `0` picks the most likely token. A
-            finite number `>= 0`, which may be traced (no recompilation per value).
+            real, finite number `>= 0`, which may be traced (no recompilation per
+            value).
 
         **Returns:**
 
@@ -240,14 +241,20 @@ def _fits(leaf: object, spec: jax.ShapeDtypeStruct) -> bool:
     return tuple(leaf.shape) == spec.shape and jnp.issubdtype(leaf.dtype, kind)
 
 
-_BAD_TEMPERATURE = "`temperature` must be finite and >= 0 (0 picks the likeliest token)"
+_BAD_TEMPERATURE = (
+    "`temperature` must be a real number, finite and >= 0 (0 picks the likeliest token)"
+)
 
 
 def _temperature(temperature: Real[ArrayLike, ""]) -> Real[Array, ""]:
     """`temperature` as an array (one compilation for every value), checked: at once
     when it is concrete, at run time (`eqx.error_if`) when it is traced."""
-    t = jnp.asarray(temperature)
-    if t.shape != () or not jnp.issubdtype(t.dtype, jnp.number):
+    try:
+        t = jnp.asarray(temperature)
+    except (TypeError, ValueError):  # not an array: a string, None, an object
+        raise ValueError(f"{_BAD_TEMPERATURE}; got {temperature!r}.") from None
+    real = jnp.issubdtype(t.dtype, jnp.floating) or jnp.issubdtype(t.dtype, jnp.integer)
+    if t.shape != () or not real:
         raise ValueError(f"{_BAD_TEMPERATURE}; got {temperature!r}.")
     try:
         value = float(t)
