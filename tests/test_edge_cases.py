@@ -501,3 +501,22 @@ def test_generate_refuses_temperatures_that_are_not_real_numbers(temperature):
     lm = tiny_lm(depth=1)
     with pytest.raises(ValueError, match="`temperature` must be a real number"):
         lm.generate(jnp.array([1]), 2, key=jr.key(0), temperature=temperature)
+
+
+def test_generate_tiny_temperatures_give_the_greedy_tokens():
+    # float32, with confident logits (|logit| ~ 100), as a trained model's: the
+    # logits divided by 1e-37 overflowed, and 1e-37 gave token 0 after token 0
+    lm = tiny_lm("s5", dtype=jnp.float32, depth=1, seed=1)
+    lm = eqx.tree_at(lambda m: m.norm.weight, lm, lm.norm.weight * 100)
+    prompt = jnp.array([1, 2, 3])
+    generate = eqx.filter_jit(
+        lambda m, t: m.generate(prompt, 5, key=jr.key(0), temperature=t)
+    )
+    call = eqx.filter_jit(lambda m, ids: m(ids))
+    # the greedy tokens, independently: the argmax of the parallel call's logits
+    # at every new position, given the tokens before it
+    for temperature in [1e-37, 1e-30, 0.0]:
+        tokens = generate(lm, jnp.asarray(temperature, jnp.float32))
+        logits = call(lm, jnp.concatenate([prompt, tokens])[:-1])[len(prompt) - 1 :]
+        assert jnp.all(jnp.max(jnp.abs(logits), axis=-1) > 30)
+        np.testing.assert_array_equal(tokens, jnp.argmax(logits, axis=-1))

@@ -239,3 +239,22 @@ def test_denoising_classifier_composes_the_layers(getkey):
     assert every_layer_scan(seq) == [eqx_seq.SequentialScan()]
     with pytest.raises(ValueError):
         model(jnp.ones((20, 3)))  # wrong number of features
+
+
+def test_generate_samples_the_softmax_at_every_temperature(getkey):
+    """The Gumbel-max draw `argmax(logits + T g)` is a draw from softmax(logits / T),
+    below a temperature of 1 (where the noise is scaled) and above (the logits)."""
+    model = lm(getkey(), depth=1)
+    prompt = jnp.array([1, 2, 3])
+    keys = jr.split(getkey(), 4000)
+    draw = eqx.filter_jit(
+        lambda m, t: jax.vmap(lambda k: m.generate(prompt, 1, key=k, temperature=t))(
+            keys
+        )[:, 0]
+    )
+    logits = model(prompt)[-1]
+    for temperature in [0.5, 2.0]:
+        counts = jnp.bincount(draw(model, jnp.asarray(temperature)), length=11)
+        p = jax.nn.softmax(logits / temperature)
+        sigma = jnp.sqrt(p * (1 - p) / len(keys))
+        assert jnp.all(jnp.abs(counts / len(keys) - p) < 5 * sigma + 1e-3)

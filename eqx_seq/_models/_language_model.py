@@ -190,9 +190,16 @@ class LanguageModel(eqx.Module):
         - `prompt`: token ids, shape `(T,)`, `T >= 1`.
         - `num_tokens`: how many tokens to sample.
         - `key`: a `jax.random` key.
-        - `temperature`: divides the logits; `0` picks the most likely token. A
-            real, finite number `>= 0`, which may be traced (no recompilation per
-            value).
+        - `temperature`: tokens are drawn from `softmax(logits / temperature)`;
+            `0` picks the most likely token. A real, finite number `>= 0`, which
+            may be traced (no recompilation per value).
+
+        The draw is the Gumbel-max trick, `argmax(logits + temperature * g)` with
+        `g` standard Gumbel noise (`argmax(logits / temperature + g)` when
+        `temperature >= 1`, the same token): exactly a draw from the softmax at
+        every `temperature > 0`, without dividing by a small temperature, which
+        overflows. So the tokens tend to the greedy ones as `temperature → 0`
+        (a float32 model gives them at `1e-37`) and are the greedy ones at `0`.
 
         **Returns:**
 
@@ -271,14 +278,19 @@ def _generate(model: LanguageModel, prompt, num_tokens: int, key, temperature):
     state, logits = jax.lax.scan(
         lambda s, t: model.step(s, t), model.init_state(), prompt
     )
+    # Gumbel-max: argmax(logits / T + g) is a draw from softmax(logits / T), and
+    # so is argmax(logits / s + (T / s) g) for any s > 0. s = max(T, 1) divides by
+    # nothing below 1 (logits / T overflowed for a tiny T) and multiplies the
+    # noise by nothing above 1; at T = 0 it is the argmax of the logits. For
+    # T >= 1 it is `jr.categorical(key, logits / T)`, with the same draws.
     temperature = temperature.astype(logits.dtype)
-    greedy = temperature == 0
-    scale = jnp.where(greedy, jnp.ones((), logits.dtype), temperature)
+    scale = jnp.maximum(temperature, jnp.ones((), logits.dtype))
+    noise = temperature / scale
 
     def sample(carry, key):
         state, logits = carry
-        drawn = jr.categorical(key, logits / scale)
-        token = jnp.where(greedy, jnp.argmax(logits).astype(drawn.dtype), drawn)
+        gumbel = jr.gumbel(key, logits.shape, logits.dtype)
+        token = jnp.argmax(logits / scale + noise * gumbel)
         state, logits = model.step(state, token)
         return (state, logits), token
 
