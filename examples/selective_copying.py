@@ -59,13 +59,10 @@ def make_batch(rng: np.random.Generator, batch: int, length: int):
 
 
 def make_model(mixer: str, args, key):
+    # Hawk blocks' state is as wide as the model: `state_size` is not theirs
+    size = {} if mixer == "rglru" else {"state_size": args.state_size}
     model = eqx_seq.LanguageModel(
-        VOCAB + 2,
-        width=args.width,
-        depth=args.depth,
-        state_size=args.state_size,
-        mixer=mixer,
-        key=key,
+        VOCAB + 2, width=args.width, depth=args.depth, mixer=mixer, key=key, **size
     )
     if mixer == "mamba":
         # the same blocks with shorter chunks between stored states: on a CPU the

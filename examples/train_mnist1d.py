@@ -159,19 +159,22 @@ def augment(x, key, args):
 
 
 def make_model(mixer, args, key):
+    # Hawk blocks have a state as wide as the model and no dropout
+    block = {} if mixer == "rglru" else {"state_size": args.state_size}
+    if mixer != "rglru":
+        block["dropout"] = args.dropout
     return eqx_seq.SequenceClassifier(
         1,
         10,
         width=args.width,
         depth=args.depth,
-        state_size=args.state_size,
         mixer=mixer,
         ssm_blocks=args.ssm_blocks,
         # the selective layers are causal
         bidirectional=not args.causal and mixer in ("s5", "lru"),
         pooling=args.pooling,
-        dropout=args.dropout,
         key=key,
+        **block,
     )
 
 

@@ -526,6 +526,15 @@ def test_bad_input(getkey):
         layer.step(layer.init_state(), jnp.ones(H + 1))
     with pytest.raises(ValueError, match="needs the previous state"):
         layer.step(None, jnp.ones(H))
+    # the block checks its input before its norm (whose error named no argument)
+    block = eqx_seq.S5Block(layer, key=getkey())
+    for x in [jnp.ones((T, H + 1)), jnp.ones((2, T, H))]:
+        for call in [block, block.final_state]:
+            with pytest.raises(ValueError, match=rf"`S5Block` takes .*\(T, {H}\)"):
+                call(x)
+    for x_t in [jnp.ones(H + 1), jnp.ones((1, H))]:
+        with pytest.raises(ValueError, match="`S5Block.step` takes one input"):
+            block.step(block.init_state(), x_t)
     with pytest.raises(ValueError, match="even"):
         eqx_seq.S5(H, 6, blocks=2, key=getkey())
     with pytest.raises(ValueError, match="divide"):
@@ -558,5 +567,5 @@ def test_bad_input(getkey):
         eqx_seq.S5Block(layer, activation="relu", key=getkey())
     with pytest.raises(ValueError, match="norm"):
         eqx_seq.S5Block(layer, norm="batch", key=getkey())
-    with pytest.raises(ValueError, match=r"\(T, H\)"):
+    with pytest.raises(ValueError, match=rf"one unbatched sequence .*\(T, {H}\)"):
         eqx_seq.S5Block(layer, key=getkey())(jnp.ones(H))

@@ -11,6 +11,7 @@ from jaxtyping import Array, ArrayLike, Bool, Float, PRNGKeyArray, Real
 from .._kalman import KalmanFilter
 from .._scan import AbstractScan, AutoScan
 from .._tridiagonal_implicit import TridiagonalImplicit
+from ._blocks import Mixer
 from ._classifier import SequenceClassifier
 
 
@@ -24,7 +25,8 @@ class DenoisingClassifier(eqx.Module):
         entries of the input) exactly, so the stages after it never see a NaN.
     2. [`eqx_seq.TridiagonalImplicit`][]: a learned Whittaker smoother over the whole
         sequence (non-causal), one smoothing strength per feature.
-    3. [`eqx_seq.SequenceClassifier`][]: S5 (or LRU) blocks, pooling and a head.
+    3. [`eqx_seq.SequenceClassifier`][]: blocks of any of its mixers (S5 by
+        default), pooling and a head.
 
     Every stage is trained end to end by gradients through the filter, the
     tridiagonal solve and the recurrences; `scan=` picks the backend of all three.
@@ -54,7 +56,7 @@ class DenoisingClassifier(eqx.Module):
         width: int = 64,
         depth: int = 2,
         state_size: int = 64,
-        mixer: Literal["s5", "lru"] = "s5",
+        mixer: Mixer = "s5",
         pooling: Literal["mean", "last"] = "mean",
         dropout: float = 0.0,
         scan: AbstractScan = AutoScan(),

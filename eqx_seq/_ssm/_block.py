@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import jax.random as jr
 from jaxtyping import Array, ArrayLike, Complex, Float, PRNGKeyArray, Real
 
+from .._misc import check_sequence
 from ._base import AbstractDiagonalSSM
 
 
@@ -139,12 +140,7 @@ class S5Block(eqx.Module):
 
         Shape `(T, H)`.
         """
-        x = jnp.asarray(x)
-        if x.ndim != 2:
-            raise ValueError(
-                f"`S5Block` takes one sequence of shape (T, H), got shape {x.shape}; "
-                "use `jax.vmap` for a batch."
-            )
+        x = check_sequence(x, self.ssm.input_size, "S5Block")
         z = self._normalise(x) if self.prenorm else x
         y = jax.vmap(self._activate)(self.ssm(z, dt=dt, h0=h0))
         mask = self.dropout(jnp.ones(y.shape[-1], y.dtype), key=key)
@@ -163,7 +159,7 @@ class S5Block(eqx.Module):
         h0: Complex[ArrayLike, " P"] | None = None,
     ) -> Complex[Array, " P"]:
         """The SSM's state after the last step of `x` (streaming in chunks)."""
-        x = jnp.asarray(x)
+        x = check_sequence(x, self.ssm.input_size, "S5Block")
         z = self._normalise(x) if self.prenorm else x
         return self.ssm.final_state(z, dt=dt, h0=h0)
 
@@ -183,6 +179,11 @@ class S5Block(eqx.Module):
         `(state, y_t)`, `y_t` of shape `(H,)`.
         """
         x_t = jnp.asarray(x_t)
+        if x_t.shape != (self.ssm.input_size,):
+            raise ValueError(
+                f"`S5Block.step` takes one input of shape ({self.ssm.input_size},), "
+                f"got shape {x_t.shape}."
+            )
         z = self._normalise(x_t) if self.prenorm else x_t
         state, y = self.ssm.step(state, z, dt=dt)
         out = x_t.astype(y.dtype) + self._activate(y)
