@@ -19,9 +19,13 @@ import pytest  # noqa: E402
 jax.config.update("jax_enable_x64", True)
 jax.config.update("jax_numpy_dtype_promotion", "strict")
 jax.config.update("jax_numpy_rank_promotion", "raise")
-# two CPU devices for the `jax.shard_map` tests (test_shard_map.py); programs that
-# are not sharded run on the first, as with one
-jax.config.update("jax_num_cpu_devices", 2)
+# four CPU devices for the `jax.shard_map` tests: a batch split over two of them
+# (test_shard_map.py), one sequence split over four (test_sequence_parallel*.py: two
+# rounds of the `ppermute` exchange, a device with blocks before and after it), or
+# three (a count that is not a power of two). Programs that are not sharded run on
+# the first, as with one. docs/usage/several-devices.md asks for the same count (a
+# different one, once JAX has started, is an error).
+jax.config.update("jax_num_cpu_devices", 4)
 
 
 @pytest.fixture

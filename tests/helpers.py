@@ -61,24 +61,6 @@ def run_script(path: str, *args: str, timeout: float = 600, env=None) -> str:
     return out.stdout
 
 
-def run_forced_devices(code: str, timeout: float = 400) -> str:
-    """Run `code` (which asks for its own `jax_num_cpu_devices`) in a fresh Python
-    process that imports this checkout's `eqx_seq` and the tests' helpers; assert
-    that it succeeds and prints its "max abs difference", and return its output."""
-    here = os.path.dirname(os.path.abspath(__file__))
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([here, *sys.path])}
-    out = subprocess.run(
-        [sys.executable, "-c", code],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=timeout,
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert "max abs difference" in out.stdout
-    return out.stdout
-
-
 def recurrence_inputs(T: int, S: tuple, varying: bool):
     """`(a, b, h0, w)` of a diagonal recurrence of `T` steps and state shape `S`,
     float64: a time-varying real decay, or a time-invariant complex one (a rotation

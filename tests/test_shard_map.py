@@ -1,9 +1,10 @@
 """Every layer under `jax.shard_map` (data parallel over two CPU devices, with
 shard_map's default `check_vma=True`): the same values and gradients as without.
 
-`conftest.py` asks for two CPU devices. Parameters are shared by the devices
-(`P()`); the data is split along its batch axis. Gradients are taken outside the
-`shard_map`, so a shared parameter's gradient is summed over the devices by JAX.
+On two of the CPU devices that `conftest.py` asks for. Parameters are shared by
+the devices (`P()`); the data is split along its batch axis. Gradients are taken
+outside the `shard_map`, so a shared parameter's gradient is summed over the
+devices by JAX.
 """
 
 import equinox as eqx
