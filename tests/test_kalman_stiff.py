@@ -339,6 +339,34 @@ def test_gradient(backend, plain):
     assert _finite(g32)
 
 
+# --- expectation-maximisation ---
+def test_em_steady_state_sums_float32():
+    """The E-step's sums from the steady-state filter (`smoothed_sums_steady`) on
+    the stiff tracker in float32 against the NumPy square-root smoother (float64):
+    the head's RTS steps in covariance form, `P_f + J (P_{t+1} - P_p) J^T`, put
+    the first smoothed covariance 6000 of its variances off (and their sum 95)."""
+    from eqx_seq._kalman._problem import prepare
+    from eqx_seq._kalman._smooth_steady import smoothed_sums_steady
+
+    model, ys = tracker(T=200)
+    ys = ys.astype(np.float32).astype(np.float64)
+    _, sm, sP, cross = sqrt_reference(model, ys)
+    kf = build(model, eqx_seq.SequentialScan(), dtype=jnp.float32)
+    run = eqx.filter_jit(
+        lambda kf, y: smoothed_sums_steady(prepare(kf, y, None, "complete"))
+    )
+    sums, ok = run(kf, jnp.asarray(ys, jnp.float32))
+    assert ok  # the steady-state path
+    sums = _np(sums)
+    sd_s = np.sqrt(np.diagonal(sP, axis1=1, axis2=2))
+    sd_sum = np.sqrt(np.diag(sP.sum(0)))
+    assert np.abs((sums.means - sm) / sd_s).max() < 0.01
+    assert np.abs(_scaled(sums.first - sP[0], sd_s[0])).max() < 1e-3
+    assert np.abs(_scaled(sums.last - sP[-1], sd_s[-1])).max() < 1e-3
+    assert np.abs(_scaled(sums.covs - sP.sum(0), sd_sum)).max() < 1e-3
+    assert np.abs(_scaled(sums.cross - cross.sum(0), sd_sum)).max() < 1e-3
+
+
 def test_square_root_update_matches_the_textbook_update():
     """`sqrt_update` (one triangularisation: predict and every whitened
     observation, a missing one included) against the dense covariance-form

@@ -8,17 +8,24 @@ the last step it approaches its fixed point `P_ss` as `P_t = P_ss + J^j D J^jT`
 (`j` steps back, `D = P_f - P_ss`). So the sums of the smoothed covariances and
 cross-covariances over the steady steps are Lyapunov sums, `O(log T)` products;
 the smoothed means are a backward loop of one matrix-vector product; the exact
-head runs the RTS recursion step by step. Only sums leave this module (no
-per-step covariances): see `docs/devdocs/kalman.md`, "Expectation-maximisation".
+head runs the RTS recursion step by step. The gains and `C` are the square-root
+smoother's elements (`_smoother._element`, from the filtered factors), never the
+covariance form's `P_f - J P_p J^T`: on a stiff model (a vague prior meeting
+precise observations) the head's predicted covariances are many orders above the
+filtered ones, and that difference cancelled in float32. Only sums leave this
+module (no per-step covariances): see `docs/devdocs/kalman.md`,
+"Expectation-maximisation".
 """
 
 import equinox as eqx
+import jax
 import jax.lax as lax
 import jax.numpy as jnp
 from jaxtyping import Array
 
-from ._linalg import _cho_solve, _chol, _mT, _sym
+from ._linalg import _sym
 from ._problem import _Problem
+from ._smoother import _element
 from ._steady import _affine_scan, _head_steps, filter_steady
 
 
@@ -58,55 +65,52 @@ def lyapunov_sum(J: Array, X: Array, N: int) -> tuple[Array, Array]:
     return total, power
 
 
-def _gain(Pf: Array, F: Array, Pp: Array) -> Array:
-    """The RTS gain `Pf F^T Pp^{-1}`; one matrix (LAPACK unbatched: see `_linalg`
-    on batched calls)."""
-    return _mT(_cho_solve(_chol(Pp), F @ Pf))
-
-
-def _head(F, mf, mp_next, Pf, Pp_next, m_next, P_next):
+def _head(E, g, C, m_next, P_next):
     """The exact steps' RTS recursion, backwards from the smoothed moments of the
-    first steady step: the means, covariances and cross-covariances."""
+    first steady step, on their square-root elements `(E, g, C)`: the means,
+    covariances (sums of positive semi-definite terms) and cross-covariances."""
 
     def step(carry, x):
         m1, P1 = carry
-        mf, mp1, Pf, Pp1 = x
-        J = _gain(Pf, F, Pp1)
-        m = mf + J @ (m1 - mp1)
-        P = _sym(Pf + J @ (P1 - Pp1) @ J.T)
-        return (m, P), (m, P, J @ P1)
+        E, g, C = x
+        m = E @ m1 + g
+        P = _sym(E @ P1 @ E.T + C)
+        return (m, P), (m, P, E @ P1)
 
-    xs = (mf, mp_next, Pf, Pp_next)
-    return lax.scan(step, (m_next, P_next), xs, reverse=True)[1]
+    return lax.scan(step, (m_next, P_next), (E, g, C), reverse=True)[1]
 
 
 def smoothed_sums_steady(problem: _Problem) -> tuple[_SmoothedSums, Array]:
     """The statistics of a problem that `_may_settle`, and whether they are exact:
     the filter's covariance settled and the smoother's converges (`J` contracts)."""
-    result, settled = filter_steady(problem, exact_fallback=False)
-    F = problem.model.F
+    result, settled, (head_factors, tail_factor) = filter_steady(
+        problem, exact_fallback=False, factors=True
+    )
+    model = problem.model
+    F, L_Q = model.F, model.L_Q
     mf, mp = result.means, result.predicted_means
     T = mf.shape[0]
     K = _head_steps(mf.dtype)
     N = T - K  # the steady steps
-    Pf, Pp = result.covs[-1], result.predicted_covs[-1]
-    J = _gain(Pf, F, Pp)
+    Pf = result.covs[-1]
+    # the steady steps' element: the gain J and C = Pf - J Pp J^T, by one
+    # triangularisation of the settled factor (its `g` is per step, below)
+    J, _, C = _element(mf[K], tail_factor, mp[K + 1], F, L_Q)
     # means: the steady steps backwards from the last, then the head
     z = mf[K:-1] - mp[K + 1 :] @ J.T
     tail = _affine_scan(J, z[::-1], mf[-1])[::-1]
     m_K = tail[0] if N > 1 else mf[-1]
     # covariances of the steady steps: P_ss + J^j D J^jT, j = 0..N-1 from the last
-    C = _sym(Pf - J @ Pp @ J.T)
     P_ss, J_far = lyapunov_sum(J, C, 2**_LOG2_TERMS)
     D = Pf - P_ss
     tail_sum = N * P_ss + lyapunov_sum(J, D, N)[0]
     J_K = jnp.linalg.matrix_power(J, N - 1)
     P_K = _sym(P_ss + J_K @ D @ J_K.T)
-    # the head, rows 0..K-1: gains from the next step's predicted covariance
-    Pp_next = jnp.concatenate([result.predicted_covs[1:K], Pp[None]])
-    ms_h, Ps_h, cross_h = _head(
-        F, mf[:K], mp[1 : K + 1], result.covs[:K], Pp_next, m_K, P_K
+    # the head, rows 0..K-1: elements from their own filtered factors
+    E_h, g_h, C_h = jax.vmap(_element, in_axes=(0, 0, 0, None, None))(
+        mf[:K], head_factors, mp[1 : K + 1], F, L_Q
     )
+    ms_h, Ps_h, cross_h = _head(E_h, g_h, C_h, m_K, P_K)
     sums = _SmoothedSums(
         means=jnp.concatenate([ms_h, tail, mf[-1:]]),
         first=Ps_h[0],
