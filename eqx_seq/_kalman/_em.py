@@ -35,6 +35,7 @@ from ._linalg import (
     _mT,
     _sym,
     _unfactor,
+    tria,
 )
 from ._problem import _bt, _Model, _model, _Problem, prepare
 from ._smooth_steady import _SmoothedSums, smoothed_sums_steady
@@ -226,23 +227,82 @@ def _spd_solve(A: Array, B: Array) -> Array:
     return _cho_solve(_chol(A), B)
 
 
+# The Gramian's Cholesky factor is used where every pivot keeps at least this many
+# units of round-off of its diagonal entry (its relative error, about `eps / f`
+# for a pivot that is a fraction `f` of the entry, is then at most 1e-4).
+_GRAM_PIVOT_ULPS = 1e4
+
+
+def _sqrt_regression(mo: _Moments) -> tuple[Array, Array]:
+    """`_regression` with every coefficient free and time-invariant moments, in
+    square-root form: the coefficients `A` and a lower-triangular factor of the
+    noise covariance, from the triangular factor `[[L_zz, 0], [L_yz, L_yy]]` of the
+    Gramian `[[S, C^T], [C, sum E[y y^T]]]` of `(z, y)`: `A = L_yz L_zz^{-1}` (that
+    is `C S^{-1}`), and the residual sum `L_yy L_yy^T`, without subtracting.
+
+    The factor is the Gramian's Cholesky factor where that keeps its digits; else
+    (a `lax.cond`) the triangularisation (`tria`, modified Gram-Schmidt, backward
+    stable) of the data whose Gramian it is: the rows `[z_t^T, y_t^T]` of the
+    posterior means, and `k + d` rows whose Gramian is the summed joint covariance.
+    Forming the Gramian squares the data's condition number: on a stiff tracker
+    whose states move little from one step to the next against their magnitude,
+    `S` had a condition number of 6e6, and float32's `C S^{-1}` moved the
+    transition matrix by 0.2 and `Q` by a factor of 80. The test is on the pivots:
+    a Schur complement of the Gramian that is a fraction `f` of its diagonal entry
+    loses `log10(1 / f)` digits. The triangularisation costs more (an iteration
+    about twice as long at state 16 / obs 8), so it runs only where needed.
+    """
+    d, k = mo.my.shape[-1], mo.mz.shape[-1]
+    N = mo.my.shape[0] * mo.my.shape[1]
+    Vzz, Vyz, Vyy = (jnp.sum(V, axis=0) for V in (mo.Vzz, mo.Vyz, mo.Vyy))
+    V = _sym(jnp.block([[Vzz, _mT(Vyz)], [Vyz, Vyy]]))
+    means = jnp.concatenate([mo.mz, mo.my], axis=-1).reshape(N, k + d)
+    gram = _sym(_mT(means) @ means + V)
+    L_gram = jnp.linalg.cholesky(gram)
+    eps = jnp.finfo(gram.dtype).eps
+    pivots = jnp.diagonal(L_gram) ** 2 / jnp.diagonal(gram)
+    # NaN (not positive definite, or a zero diagonal entry) fails the test too
+    keeps_digits = jnp.all(pivots >= _GRAM_PIVOT_ULPS * eps)
+
+    def by_data():
+        # a factor of the positive semi-definite V, singular ones included
+        # (complete data: no covariance in y), without jitter
+        lam, U = jnp.linalg.eigh(V)
+        G = jnp.sqrt(jnp.maximum(lam, 0))[:, None] * _mT(U)
+        return tria(_mT(jnp.concatenate([means, G])))
+
+    L = lax.cond(keeps_digits, lambda: L_gram, by_data)
+    L_zz, L_yz, L_yy = L[:k, :k], L[k:, :k], L[k:, k:]
+    # a regressor with nothing left after the ones before it (a control that is
+    # always zero): a zero row of L_zz and zero column of L_yz; its coefficient 0
+    eye = jnp.eye(k, dtype=bool)
+    L_zz = jnp.where(eye & (L_zz == 0), 1, L_zz)
+    A = _mT(jsl.solve_triangular(L_zz, _mT(L_yz), lower=True, trans=1))
+    return A, _jittered_factor(L_yy / np.sqrt(N).astype(L.dtype))
+
+
 def _regression(
     mo: _Moments, A: Array, L: Array, free: np.ndarray, cov_free: bool
 ) -> tuple[Array, Array | None]:
     """The M-step of `y = A z + e`, `e ~ N(0, L L^T)`: the coefficients `A`
     `(d, k)` (or `(T, d, k)` where its fixed entries vary with time) with their
     `free` entries maximising the expected log-likelihood at the current noise,
-    then the noise covariance at the new `A` if `cov_free` (else `None`).
+    then a lower-triangular factor of the noise covariance at the new `A` (with
+    `_chol`'s jitter) if `cov_free` (else `None`).
 
-    All entries free: `A = C S^{-1}` with `C = sum E[y z^T]`, `S = sum E[z z^T]`,
-    whatever the noise. Some fixed: the normal equations of the free entries,
+    All entries free and time-invariant: `_sqrt_regression`. All free against
+    per-step moments: `A = C S^{-1}`, `C = sum E[y z^T]`, `S = sum E[z z^T]`. Some
+    fixed: the normal equations of the free entries,
     `(Lambda (x) S) vec(A) = vec(Lambda (C - A_fixed S))` restricted to them,
     `Lambda` the inverse noise covariance (row-major `vec`). The covariance is
-    the mean of `E[(y - A z)(y - A z)^T]`: outer products of the residuals of the
-    means plus `[I, -A] V [I, -A]^T`, each positive semi-definite, not the
+    then the mean of `E[(y - A z)(y - A z)^T]`: outer products of the residuals of
+    the means plus `[I, -A] V [I, -A]^T`, each positive semi-definite, not the
     difference of raw second moments, which cancels badly where states are large.
     """
     per_step = mo.Vyy.ndim == 4
+    if free.all() and not per_step:
+        A, L_new = _sqrt_regression(mo)
+        return A, (L_new if cov_free else None)
     d, k = A.shape[-2:]
     # a time-varying `A` against per-step moments `(B, T, ..)`
     At = A[None] if per_step else A
@@ -280,13 +340,17 @@ def _regression(
     AVzy = _bmm(At, _mT(Vyz))
     V = Vyy - AVzy - _mT(AVzy) + _bmm(_bmm(At, Vzz), _mT(At))
     res = _outer_sum(r, r) + (jnp.sum(V, axis=(0, 1)) if per_step else V)
-    return A, _sym(res / (mo.my.shape[0] * mo.my.shape[1]))
+    return A, _chol(res / (mo.my.shape[0] * mo.my.shape[1]))
 
 
-def _raw_factor(cov: Array) -> Array:
-    """The unconstrained parameter of a new covariance; its Cholesky factor has
-    jitter scaled to the dtype, so that a covariance that collapses stays PD."""
-    return _unfactor(_chol(cov))
+def _jittered_factor(L: Array) -> Array:
+    """A lower-triangular factor of `L L^T` plus `_chol`'s jitter, `eps *
+    mean(diag)` (so that a covariance that collapses stays positive definite),
+    added in square-root form (`tria([L, sqrt(jitter) I])`), without the
+    cancellation of factoring the sum."""
+    eps = jnp.finfo(L.dtype).eps
+    jitter = jnp.sqrt(eps * jnp.sum(L * L) / L.shape[-1])
+    return tria(jnp.concatenate([L, jitter * _eye_like(L)], axis=-1))
 
 
 def _m_step(kf: "KalmanFilter", moments, spec: _Fixed) -> "KalmanFilter":
@@ -301,14 +365,14 @@ def _m_step(kf: "KalmanFilter", moments, spec: _Fixed) -> "KalmanFilter":
         return np.concatenate(masks, axis=-1)
 
     # m0, P0: the prior's state on 1 (with a stationary prior, unused)
-    m0, P0 = _regression(
+    m0, L_P0 = _regression(
         prior,
         kf.m0[:, None],
         _factor(kf.P0_factor),
         ~as_array(spec.m0, (n,))[:, None],
         spec.P0 is False,
     )
-    new["m0"], new["P0_factor"] = m0[:, 0], P0
+    new["m0"], new["P0_factor"] = m0[:, 0], L_P0
     for (coef, ctrl, cov), mo, rows in (
         (("F", "B", "Q"), transition, n),
         (("H", "D", "R"), emission, p),
@@ -321,18 +385,18 @@ def _m_step(kf: "KalmanFilter", moments, spec: _Fixed) -> "KalmanFilter":
             B = getattr(kf, ctrl)
             A = jnp.concatenate([A, jnp.broadcast_to(B, (*A.shape[:-1], c))], -1)
             names, shapes = (coef, ctrl), ((rows, n), (rows, c))
-        A, Sigma = _regression(
+        A, L_new = _regression(
             mo, A, _factor(getattr(kf, f"{cov}_factor")), free(names, shapes),
             getattr(spec, cov) is False,
         )  # fmt: skip
         new[coef] = A[..., :n]
         if c:
             new[ctrl] = A[0, :, n:] if A.ndim == 3 else A[:, n:]
-        new[f"{cov}_factor"] = Sigma
+        new[f"{cov}_factor"] = L_new
     # what is held fixed stays as it is, bit for bit (a time-varying matrix too)
     held = {k for k, v in spec._asdict().items() if v is True}
     new = {
-        k: (_raw_factor(v) if k.endswith("_factor") else v)
+        k: (_unfactor(v) if k.endswith("_factor") else v)
         for k, v in new.items()
         if v is not None and k.removesuffix("_factor") not in held
     }
