@@ -493,6 +493,61 @@ def test_the_loop_is_traced_once(monkeypatch):
     assert len(traced) == 1
 
 
+# --- degenerate data: the floor on new covariances, all-zero observations ---
+def test_duplicate_sensors_keep_R_positive_definite():
+    """Two identical sensors (duplicate columns of `ys`), float64: the maximum-
+    likelihood `R` is singular (no residual along `y_1 - y_2`), and its factor was
+    left to the rounding of a Cholesky factorisation (here NaN parameters after 11
+    iterations, and drops of 60-140 nats in the trace before). The floor keeps the
+    second sensor's variance not explained by the first at `256 eps` of its
+    variance: finite, `R` positive definite, `H`'s two rows equal; with missing
+    entries too (whose steps refactor `R`)."""
+    rng = np.random.default_rng(7)
+    true, start = random_model(rng, 3, 2), random_model(rng, 3, 2)
+    ys = simulate(rng, true, 200)
+    ys[:, 1] = ys[:, 0]
+    missing = ys.copy()
+    missing[rng.random(ys.shape) < 0.1] = np.nan
+    kf = build(start, eqx_seq.SequentialScan())
+    eps = np.finfo(np.float64).eps
+    for data in (ys, missing):
+        fitted, lls = kf.fit_em(data, num_iters=25)
+        assert np.all(np.isfinite(lls))
+        assert all(np.all(np.isfinite(v)) for v in _params(fitted).values())
+        L = np.asarray(eqx_seq._kalman._linalg._factor(fitted.R_factor))
+        # the floor: L_22^2 = 256 eps (L_21^2 + L_22^2), by the definition
+        np.testing.assert_allclose(L[1, 1] ** 2 / (L[1] @ L[1]), 256 * eps, rtol=1e-6)
+        assert L[0, 0] > 0.1
+        np.testing.assert_allclose(fitted.H[1], fitted.H[0], rtol=1e-12)
+        np.testing.assert_allclose(lls[-1], fitted.log_likelihood(data), rtol=1e-10)
+
+
+def test_all_zero_observations_raise():
+    """Every observed entry zero: `R`'s maximum-likelihood value is zero (the
+    log-likelihood grows without bound), which gave NaN parameters after the first
+    iteration. A `ValueError` names the cause (missing entries too); held fixed,
+    `R` fits."""
+    start, _, _ = _problem(40, n=2, p=1, T=7)
+    kf = build(start, eqx_seq.SequentialScan())
+    zeros = np.zeros((7, 1))
+    for ys in (zeros, np.where(np.arange(7)[:, None] % 3 == 0, np.nan, zeros)):
+        with pytest.raises(ValueError, match="every observed entry of `ys` is zero"):
+            kf.fit_em(ys, num_iters=2)
+    fitted, lls = kf.fit_em(zeros, num_iters=2, fixed={"R": True})
+    assert np.all(np.isfinite(lls)) and np.all(np.isfinite(fitted.H))
+    np.testing.assert_array_equal(fitted.R_factor, kf.R_factor)
+
+
+def test_all_zero_observations_raise_when_traced():
+    """Traced observations cannot be checked before the fit: the M-step's check
+    raises at run time, naming the cause, where `R` would come out zero."""
+    start, _, _ = _problem(40, n=2, p=1, T=7)
+    kf = build(start, eqx_seq.SequentialScan())
+    fit = jax.jit(lambda ys: kf.fit_em(ys, num_iters=2)[1])
+    with pytest.raises(RuntimeError, match="new `R` is zero: every residual"):
+        jax.block_until_ready(fit(jnp.zeros((7, 1))))
+
+
 # --- bad input ---
 def test_bad_input():
     start, ys, _ = _problem(8, T=10)

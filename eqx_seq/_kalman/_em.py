@@ -21,10 +21,10 @@ import jax.scipy.linalg as jsl
 import numpy as np
 from jaxtyping import Array
 
-from .._misc import full_precision
+from .._misc import error_if_any, full_precision
 from .._scan import AbstractScan
 from ._dispatch import by_whitening, smooth_problem
-from ._em_spec import _Fixed, as_array
+from ._em_spec import _Fixed, _WHERE, as_array
 from ._linalg import (
     _bmm,
     _cho_solve,
@@ -278,7 +278,7 @@ def _sqrt_regression(mo: _Moments) -> tuple[Array, Array]:
     eye = jnp.eye(k, dtype=bool)
     L_zz = jnp.where(eye & (L_zz == 0), 1, L_zz)
     A = _mT(jsl.solve_triangular(L_zz, _mT(L_yz), lower=True, trans=1))
-    return A, _jittered_factor(L_yy / np.sqrt(N).astype(L.dtype))
+    return A, L_yy / np.sqrt(N).astype(L.dtype)
 
 
 def _regression(
@@ -287,8 +287,8 @@ def _regression(
     """The M-step of `y = A z + e`, `e ~ N(0, L L^T)`: the coefficients `A`
     `(d, k)` (or `(T, d, k)` where its fixed entries vary with time) with their
     `free` entries maximising the expected log-likelihood at the current noise,
-    then a lower-triangular factor of the noise covariance at the new `A` (with
-    `_chol`'s jitter) if `cov_free` (else `None`).
+    then a lower-triangular factor of the noise covariance at the new `A` if
+    `cov_free` (else `None`; `_m_step` floors it, `_floored_factor`).
 
     All entries free and time-invariant: `_sqrt_regression`. All free against
     per-step moments: `A = C S^{-1}`, `C = sum E[y z^T]`, `S = sum E[z z^T]`. Some
@@ -340,17 +340,59 @@ def _regression(
     AVzy = _bmm(At, _mT(Vyz))
     V = Vyy - AVzy - _mT(AVzy) + _bmm(_bmm(At, Vzz), _mT(At))
     res = _outer_sum(r, r) + (jnp.sum(V, axis=(0, 1)) if per_step else V)
-    return A, _chol(res / (mo.my.shape[0] * mo.my.shape[1]))
+    return A, _psd_factor(res / (mo.my.shape[0] * mo.my.shape[1]))
 
 
-def _jittered_factor(L: Array) -> Array:
-    """A lower-triangular factor of `L L^T` plus `_chol`'s jitter, `eps *
-    mean(diag)` (so that a covariance that collapses stays positive definite),
-    added in square-root form (`tria([L, sqrt(jitter) I])`), without the
-    cancellation of factoring the sum."""
+def _psd_factor(cov: Array) -> Array:
+    """A lower-triangular factor of a positive semi-definite `cov`, singular ones
+    included (a zero diagonal entry where a direction has no variance left), from
+    its eigendecomposition: a Cholesky factorisation subtracts, and at a singular
+    matrix its rounding gave NaN."""
+    lam, U = jnp.linalg.eigh(_sym(cov))
+    return tria(U * jnp.sqrt(jnp.maximum(lam, 0))[None, :])
+
+
+# A new covariance keeps, for each entry, a variance not explained by the entries
+# before it (its factor's squared diagonal entry) of at least this many units of
+# round-off (relative) of the entry's variance: a conditional standard deviation
+# of at least `16 sqrt(eps)` of the marginal one (2.4e-7 in float64, 5.5e-3 in
+# float32). Far above the rounding of the factor itself, so that the filter can
+# whiten by it (and refactor it with missing entries); far below the correlation
+# of any two sensors that are not copies of each other.
+_COV_FLOOR_ULPS = 256
+
+
+def _floored_factor(L: Array) -> Array:
+    """The factor of a new covariance `L L^T`, kept positive definite.
+
+    First `_chol`'s jitter, `eps * mean(diag)` on the diagonal (added in
+    square-root form, `tria([L, sqrt(jitter) I])`, without the cancellation of
+    factoring the sum), which also gives an entry with no variance at all a
+    positive one. Then the floor, only where an entry's conditional variance
+    `L_ii^2` falls under `_COV_FLOOR_ULPS * eps` of its variance: duplicated or
+    exactly collinear observations (sensors), whose residuals vanish in one
+    direction, so that the maximum-likelihood `R` is singular (the likelihood
+    grows without bound towards it). Elsewhere `L` is unchanged.
+    """
     eps = jnp.finfo(L.dtype).eps
     jitter = jnp.sqrt(eps * jnp.sum(L * L) / L.shape[-1])
-    return tria(jnp.concatenate([L, jitter * _eye_like(L)], axis=-1))
+    L = tria(jnp.concatenate([L, jitter * _eye_like(L)], axis=-1))
+    floor = jnp.sqrt(_COV_FLOOR_ULPS * eps * jnp.sum(L * L, axis=-1))
+    d = jnp.diagonal(L)
+    return L + jnp.diag(jnp.maximum(d, floor) - d)
+
+
+def _checked_factor(L: Array, name: str) -> Array:
+    """`L`, raising at run time if it is singular: its covariance is then zero
+    (every residual of its regression exactly zero, so no scale to floor)."""
+    return error_if_any(
+        L,
+        jnp.diagonal(L) == 0,
+        f"{_WHERE}: the M-step's new `{name}` is zero: every residual of its "
+        "regression is exactly zero (for `R`: observations that are all zero, or "
+        "exactly explained by the states and controls), so it has no scale. Hold "
+        f"it fixed (`fixed={{{name!r}: True}}`) or fit data that vary.",
+    )
 
 
 def _m_step(kf: "KalmanFilter", moments, spec: _Fixed) -> "KalmanFilter":
@@ -396,7 +438,11 @@ def _m_step(kf: "KalmanFilter", moments, spec: _Fixed) -> "KalmanFilter":
     # what is held fixed stays as it is, bit for bit (a time-varying matrix too)
     held = {k for k, v in spec._asdict().items() if v is True}
     new = {
-        k: (_unfactor(v) if k.endswith("_factor") else v)
+        k: (
+            _unfactor(_checked_factor(_floored_factor(v), k.removesuffix("_factor")))
+            if k.endswith("_factor")
+            else v
+        )
         for k, v in new.items()
         if v is not None and k.removesuffix("_factor") not in held
     }

@@ -8,6 +8,7 @@ that the compiled EM loop is specialised to it.
 
 from typing import Any, NamedTuple, TYPE_CHECKING
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array
@@ -214,10 +215,33 @@ def check_data(
     return ys.astype(dtype), None if us is None else us.astype(dtype)
 
 
+def _check_not_all_zero(ys: Array) -> None:
+    """Observations whose every observed entry is zero leave `R` no scale: its
+    maximum-likelihood value is zero, which no positive definite `R` reaches (the
+    log-likelihood grows without bound; with missing entries `R` shrinks by the
+    observed fraction at every iteration). Checked here when `ys` is concrete;
+    traced, the M-step's check (`_em._checked_factor`) raises at run time."""
+    if isinstance(ys, jax.core.Tracer):
+        return
+    y = np.asarray(ys)
+    observed = y[~np.isnan(y)]
+    if observed.size and not np.any(observed):
+        raise ValueError(
+            f"{_WHERE}: every observed entry of `ys` is zero, so the observation "
+            "noise `R` has no scale to fit: its maximum-likelihood value is zero, "
+            "which no positive definite `R` reaches. Hold `R` fixed "
+            "(`fixed={'R': True}`) or fit data that vary."
+        )
+
+
 def check_fit_em(
     kf: "KalmanFilter", ys: Any, us: Any, num_iters: Any, fixed: Any
 ) -> tuple[Array, Array | None, _Fixed]:
-    """`fit_em`'s inputs, checked: the data as batches (`check_data`) and the
-    normalised spec (`fixed_spec`)."""
+    """`fit_em`'s inputs, checked: the data as batches (`check_data`), the
+    normalised spec (`fixed_spec`), and, with `R` free, that some observed entry
+    is not zero."""
     ys, us = check_data(kf, ys, us, num_iters)
-    return ys, us, fixed_spec(kf, fixed, ys.shape[1])
+    spec = fixed_spec(kf, fixed, ys.shape[1])
+    if spec.R is not True:
+        _check_not_all_zero(ys)
+    return ys, us, spec

@@ -421,10 +421,20 @@ class KalmanFilter(_Predictive):
         `log_likelihoods[i]`, the log-likelihood of `ys` (summed over sequences)
         after iteration `i + 1`; the last is `fitted.log_likelihood(ys)`.
 
+        New covariances are kept positive definite by a floor: each entry keeps a
+        variance not explained by the entries before it of at least `256 eps` of
+        its own variance (an entry with none at all gets `eps` times the mean
+        variance). Only degenerate data reach it, such as duplicated sensors
+        (identical columns of `ys`), whose maximum-likelihood `R` is singular; the
+        log-likelihood of such a fit is set by the floor and need not increase at
+        every iteration.
+
         **Raises:**
 
         `ValueError` for a `fixed` spec that does not match the parameters, a free
-        time-varying matrix, `num_iters < 1` or bad shapes; `NotImplementedError`
+        time-varying matrix, `num_iters < 1`, bad shapes, or, with `R` free,
+        observations whose every observed entry is zero (`R` then has no scale;
+        when `ys` is traced, a `RuntimeError` at run time); `NotImplementedError`
         with `initialization="diffuse"`. See `docs/usage/kalman.md`.
         """
         not_diffuse(self, "fit_em")  # the E-step is the smoother
