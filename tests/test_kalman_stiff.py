@@ -347,13 +347,17 @@ def test_em_steady_state_sums_float32():
     the first smoothed covariance 6000 of its variances off (and their sum 95)."""
     from eqx_seq._kalman._problem import prepare
     from eqx_seq._kalman._smooth_steady import smoothed_sums_steady
+    from eqx_seq._misc import full_precision
 
     model, ys = tracker(T=200)
     ys = ys.astype(np.float32).astype(np.float64)
     _, sm, sP, cross = sqrt_reference(model, ys)
     kf = build(model, eqx_seq.SequentialScan(), dtype=jnp.float32)
+    # at the precision of fit_em's products (not TF32 on GPUs)
     run = eqx.filter_jit(
-        lambda kf, y: smoothed_sums_steady(prepare(kf, y, None, "complete"))
+        full_precision(
+            lambda kf, y: smoothed_sums_steady(prepare(kf, y, None, "complete"))
+        )
     )
     sums, ok = run(kf, jnp.asarray(ys, jnp.float32))
     assert ok  # the steady-state path
@@ -365,6 +369,36 @@ def test_em_steady_state_sums_float32():
     assert np.abs(_scaled(sums.last - sP[-1], sd_s[-1])).max() < 1e-3
     assert np.abs(_scaled(sums.covs - sP.sum(0), sd_sum)).max() < 1e-3
     assert np.abs(_scaled(sums.cross - cross.sum(0), sd_sum)).max() < 1e-3
+
+
+def test_em_smoothed_x0_float32():
+    """`x_0` smoothed one step back from the smoothed `x_1` (the prior regression's
+    E-step, `prior_at="x0"`) on the stiff tracker in float32, against the float64
+    RTS step in Joseph form: the covariance form cancels in `I - J F` under the
+    vague prior (`P0 = 1e6 I`), which put the smoothed `P0` 0.3% of its variances
+    off (and the EM trace 0.06 nats on a GPU)."""
+    from eqx_seq._kalman._em import _smoothed_x0
+    from eqx_seq._kalman._problem import _model
+    from eqx_seq._misc import full_precision
+
+    model, ys = tracker(T=200)
+    _, sm, sP, _ = sqrt_reference(model, ys.astype(np.float32).astype(np.float64))
+    F, Q, m0, P0 = model["F"], model["Q"], model["m0"], model["P0"]
+    J = np.linalg.solve(F @ P0 @ F.T + Q, F @ P0).T
+    IJF = np.eye(4) - J @ F
+    P_ref = IJF @ P0 @ IJF.T + J @ Q @ J.T + J @ sP[0] @ J.T
+    m_ref = m0 + J @ (sm[0] - F @ m0)
+    kf = build(model, eqx_seq.SequentialScan(), dtype=jnp.float32)
+    run = eqx.filter_jit(
+        full_precision(lambda kf, m1, P1: _smoothed_x0(_model(kf), m1, P1, None))
+    )
+    m, P, C = _np(
+        run(kf, jnp.asarray(sm[0], jnp.float32), jnp.asarray(sP[0], jnp.float32))
+    )
+    sd = np.sqrt(np.diag(P_ref))
+    assert np.abs((m - m_ref) / sd).max() < 0.01
+    assert np.abs(_scaled(P - P_ref, sd)).max() < 1e-4
+    assert np.abs(_scaled(C - J @ sP[0], sd)).max() < 1e-4
 
 
 def _np_em_step(model, ys):

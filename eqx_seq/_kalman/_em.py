@@ -36,11 +36,11 @@ from ._linalg import (
     _sym,
     _unfactor,
     tria,
+    tril_inverse_by_rows,
 )
 from ._problem import _bt, _Model, _model, _Problem, prepare
 from ._smooth_steady import _SmoothedSums, smoothed_sums_steady
 from ._steady import _may_settle
-from ._step import first_prediction
 
 
 if TYPE_CHECKING:
@@ -75,18 +75,26 @@ def _with_controls(x: Array, us: Array | None) -> Array:
 def _smoothed_x0(model: _Model, m1: Array, P1: Array, c1: Array | None):
     """The smoothed moments of `x_0`, the state before the first observation, and
     `Cov[x_0, x_1 | y]`: one RTS step back from the smoothed `x_1`, whose
-    prediction from the prior has no data in between. The covariance in Joseph
-    form, a sum of positive semi-definite terms. `c1 = B u_1` as `(1, n)`."""
+    prediction from the prior has no data in between, `x_0 | x_1 ~ N(J x_1 + g,
+    C)`. `C` in information form, `C^{-1} = P0^{-1} + F^T Q^{-1} F` (a sum; from
+    the triangularisation of the factors' inverses), `J = C F^T Q^{-1}` and `g = C
+    P0^{-1} m0 - J B u_1`: the covariance form, `J = P0 F^T S_1^{-1}` and `C = (I -
+    J F) P0 (I - J F)^T + J Q J^T`, cancels in `I - J F` where the prior is vague
+    (with `P0 = 1e6 I`, float32's smoothed `P0` came out 0.3% of its variances
+    off, and its square-root element no better). `c1 = B u_1` as `(1, n)`."""
     F = model.F[0] if model.F.ndim == 3 else model.F
     L_Q = model.L_Q[0] if model.L_Q.ndim == 3 else model.L_Q
-    P0 = _gram(model.L_P0)
-    mu1, S1 = first_prediction(model, c1)
-    J = _mT(_cho_solve(_chol(S1), F @ P0))  # P0 F^T S1^{-1}
-    m = model.m0 + J @ (m1 - mu1)
-    IJF = jnp.eye(F.shape[0], dtype=F.dtype) - J @ F
-    JL = J @ L_Q
-    P = _sym(IJF @ P0 @ IJF.T + JL @ JL.T + J @ P1 @ J.T)
-    return m, P, J @ P1
+    W0 = tril_inverse_by_rows(model.L_P0)
+    WQF = tril_inverse_by_rows(L_Q)  # then W_Q F, W_Q^T W_Q = Q^{-1}
+    WQ, WQF = WQF, WQF @ F
+    U = tria(jnp.concatenate([W0.T, WQF.T], axis=1))  # U U^T = C^{-1}
+    Y = _mT(tril_inverse_by_rows(U))  # Y Y^T = C
+    C = Y @ Y.T
+    J = C @ (WQF.T @ WQ)
+    g = C @ (W0.T @ (W0 @ model.m0))
+    if c1 is not None:
+        g = g - J @ c1[0]
+    return J @ m1 + g, _sym(J @ P1 @ J.T + C), J @ P1
 
 
 def _completed_observations(
