@@ -60,18 +60,38 @@ def _smoothed(kf, ys, us):
     return (r.means, r.covs, r.cross_covs), r.filtered.log_likelihood
 
 
-def _split_value_and_grad(kf, ys, us=None, devices=2):
-    """The split log-likelihood and its gradient with respect to `kf`'s parameters
-    (time-varying ones split like the data), on `devices` devices."""
+def _split(kf, ys, us=None, outputs=None, out_specs=None, devices=2):
+    """From one compiled program on `devices` devices: `outputs(kf, ys, us)` (its
+    `out_specs`; `None`: nothing), and the split log-likelihood with its gradient
+    with respect to `kf`'s parameters (time-varying ones split like the data)."""
     params, static = eqx.partition(kf, eqx.is_inexact_array)
-    mesh = _mesh(devices)
-    ll = jax.shard_map(
-        lambda p, ys, us: eqx.combine(p, static).log_likelihood(ys, us=us),
-        mesh=mesh,
-        in_specs=(_specs(params), P("seq"), None if us is None else P("seq")),
-        out_specs=P(),
-    )
-    return jax.jit(jax.value_and_grad(ll))(params, ys, us)
+    in_specs = (_specs(params), P("seq"), None if us is None else P("seq"))
+
+    def on_blocks(fn, out_specs):
+        return jax.shard_map(
+            lambda p, ys, us: fn(eqx.combine(p, static), ys, us),
+            mesh=_mesh(devices),
+            in_specs=in_specs,
+            out_specs=out_specs,
+        )
+
+    ll = on_blocks(lambda kf, ys, us: kf.log_likelihood(ys, us=us), P())
+
+    def program(params, ys, us):
+        out = None if outputs is None else on_blocks(outputs, out_specs)(params, ys, us)
+        return out, jax.value_and_grad(ll)(params, ys, us)
+
+    return jax.jit(program)(params, ys, us)
+
+
+@eqx.filter_jit
+def _one_device(kf, ys, us):
+    """One device's filtered means, and its log-likelihood with the gradient by
+    plain autodiff through the filter: one compiled program, which the tests of
+    the same shapes share."""
+    loss = lambda kf: (lambda r: (r.log_likelihood, r.means))(kf.filter(ys, us=us))
+    (value, means), grads = eqx.filter_value_and_grad(loss, has_aux=True)(kf)
+    return value, means, grads
 
 
 def _trim(model, T):
@@ -80,45 +100,35 @@ def _trim(model, T):
 
 @pytest.mark.parametrize("inner", list(INNER))
 @pytest.mark.parametrize("name", ["plain", "all"])
-def test_filter_and_smoother(name, inner):
-    """Every per-step output of the filter and the smoother, and the
-    log-likelihood, equal the textbook filter's on the whole sequence (four blocks
-    of 9 steps): time-varying matrices split like the data, controls, missing
-    entries (a whole step too)."""
+def test_filter_smoother_and_gradient(name, inner):
+    """On four blocks of 9 steps, from one compiled program: every per-step output
+    of the filter and the smoother, and the log-likelihood, equal the textbook
+    filter's on the whole sequence (time-varying matrices split like the data,
+    controls, missing entries, a whole step too); and the gradient of the split
+    log-likelihood with respect to every parameter (the time-varying ones come
+    back split) equals one device's (within 1e-8 absolute too)."""
     model, ys, us = case(name)
     T = 36  # four blocks of 9
     model, ys = _trim(model, T), ys[:T]
     us = None if us is None else us[:T]
     f, sm, sP, cross = reference(model, ys, us)
     kf = build(model, eqx_seq.ShardedScan("seq", INNER[inner]))
-    (r, ll) = _run(kf, _filtered, ys, us, out_specs=(P("seq"), P()), devices=4)
+    both = lambda kf, ys, us: (_filtered(kf, ys, us), _smoothed(kf, ys, us))
+    out_specs = ((P("seq"), P()),) * 2
+    outputs, (value, grads) = _split(kf, ys, us, both, out_specs, devices=4)
+    (r, ll), ((means, covs, crosses), ll_smoother) = outputs
     tol = dict(rtol=1e-8, atol=1e-9)
     for got, want in zip(r, (f["m"], f["P"], f["mp"], f["Pp"], f["ll"])):
         np.testing.assert_allclose(got, want, **tol)
     np.testing.assert_allclose(ll, f["ll"].sum(), **tol)
-    (means, covs, crosses), ll = _run(kf, _smoothed, ys, us, (P("seq"), P()), 4)
     np.testing.assert_allclose(means, sm, **tol)
     np.testing.assert_allclose(covs, sP, **tol)
     # a row per step: each block's last row is the cross-covariance across the
     # boundary after it, the last block's is zero
     np.testing.assert_allclose(crosses[:-1], cross, **tol)
     np.testing.assert_array_equal(crosses[-1], 0)
-    np.testing.assert_allclose(ll, f["ll"].sum(), **tol)
-
-
-@pytest.mark.parametrize("inner", list(INNER))
-@pytest.mark.parametrize("name", ["plain", "all"])
-def test_log_likelihood_gradient(name, inner):
-    """The gradient of the split log-likelihood with respect to every parameter
-    (the time-varying ones come back split) equals one device's (within 1e-8
-    absolute too), on four blocks of 9 steps."""
-    model, ys, us = case(name, seed=1)
-    T = 36
-    model, ys = _trim(model, T), ys[:T]
-    us = None if us is None else us[:T]
+    np.testing.assert_allclose(ll_smoother, f["ll"].sum(), **tol)
     one = build(model, eqx_seq.SequentialScan())
-    split = build(model, eqx_seq.ShardedScan("seq", INNER[inner]))
-    value, grads = _split_value_and_grad(split, ys, us, devices=4)
     value1, grads1 = eqx.filter_value_and_grad(lambda kf: kf.log_likelihood(ys, us=us))(
         one
     )
@@ -150,7 +160,8 @@ def test_steady_state_blocks(settles):
     each block's element uses the steady-state filter's tail (closed-form linear
     part), or, for a covariance still moving after the exact head (a slow, barely
     observed state), falls back to every step exact. The filter, and the
-    log-likelihood with its gradient, against one device."""
+    log-likelihood with its gradient, against one device; each side one compiled
+    program."""
     rng = np.random.default_rng(3)
     if settles:
         model, _, _ = case("plain", seed=3)
@@ -164,15 +175,13 @@ def test_steady_state_blocks(settles):
     ys = rng.normal(size=(4 * STEADY_T, p))
     one = build(model, eqx_seq.SequentialScan())
     kf = build(model, eqx_seq.ShardedScan("seq"))
-    r, ll = _run(kf, _filtered, ys, out_specs=(P("seq"), P()))
-    f = one.filter(ys)
-    np.testing.assert_allclose(r[0], f.means, rtol=1e-9, atol=1e-10)
-    np.testing.assert_allclose(ll, f.log_likelihood, rtol=1e-10)
-    value, grads = _split_value_and_grad(kf, ys)
+    filtered = lambda kf, ys, us: (lambda r: (r.means, r.log_likelihood))(kf.filter(ys))
+    (means, ll), (value, grads) = _split(kf, ys, None, filtered, (P("seq"), P()))
     # one device: plain autodiff through the filter (Fisher's identity, its
     # `log_likelihood`'s gradient, agrees only to about 1e-6 on the slow model)
-    loss = lambda kf: kf.filter(ys).log_likelihood
-    value1, grads1 = eqx.filter_jit(eqx.filter_value_and_grad(loss))(one)
+    value1, means1, grads1 = _one_device(one, ys, None)
+    np.testing.assert_allclose(means, means1, rtol=1e-9, atol=1e-10)
+    np.testing.assert_allclose(ll, value1, rtol=1e-10)
     np.testing.assert_allclose(value, value1, rtol=1e-10)
     for g, g1 in zip(jax.tree.leaves(grads), jax.tree.leaves(grads1)):
         np.testing.assert_allclose(g, g1, rtol=1e-8, atol=1e-10)
@@ -199,9 +208,8 @@ def test_chunked_elements(name, chunk, monkeypatch):
         model, ys, us = _trim(model, 36), ys[:36], us[:36]
     one = build(model, eqx_seq.SequentialScan())
     kf = build(model, eqx_seq.ShardedScan("seq"))
-    value, grads = _split_value_and_grad(kf, ys, us)
-    loss = lambda kf: kf.filter(ys, us=us).log_likelihood
-    value1, grads1 = eqx.filter_jit(eqx.filter_value_and_grad(loss))(one)
+    _, (value, grads) = _split(kf, ys, us)
+    value1, _, grads1 = _one_device(one, ys, us)
     np.testing.assert_allclose(value, value1, rtol=1e-10)
     for g, g1 in zip(jax.tree.leaves(grads), jax.tree.leaves(grads1)):
         np.testing.assert_allclose(g, g1, rtol=1e-8, atol=1e-10)
@@ -211,26 +219,29 @@ def test_chunked_elements(name, chunk, monkeypatch):
 def test_batch_of_split_sequences():
     """`jax.vmap` over sequences inside the `shard_map`, each split over time (a
     missing entry in one sequence only): log-likelihoods, their gradient and the
-    smoothed means equal one device's."""
+    smoothed means equal one device's; each side one compiled program."""
     model, _, _ = case("plain", seed=6)
     ys = np.random.default_rng(6).normal(size=(3, 36, 2))
     ys[1, 5, 0] = np.nan
     one = build(model, eqx_seq.SequentialScan())
     kf = build(model, eqx_seq.ShardedScan("seq"))
-    mesh = Mesh(np.array(jax.devices()[:2]), ("seq",))
     batch = lambda fn, out: jax.shard_map(
-        fn, mesh=mesh, in_specs=(P(), P(None, "seq")), out_specs=out
+        fn, mesh=_mesh(2), in_specs=(P(), P(None, "seq")), out_specs=out
     )
-    ll = batch(lambda kf, ys: jax.vmap(kf.log_likelihood)(ys), P())
-    smoothed = batch(
-        lambda kf, ys: jax.vmap(lambda y: kf.smooth(y).means)(ys), P(None, "seq")
-    )
-    one_ll = lambda kf: jax.vmap(kf.log_likelihood)(ys)
-    np.testing.assert_allclose(jax.jit(ll)(kf, ys), one_ll(one), rtol=1e-10)
-    means = jax.vmap(lambda y: one.smooth(y).means)(ys)
-    np.testing.assert_allclose(jax.jit(smoothed)(kf, ys), means, atol=1e-10)
-    grads = eqx.filter_jit(eqx.filter_grad(lambda kf: jnp.sum(ll(kf, ys))))(kf)
-    grads1 = eqx.filter_grad(lambda kf: jnp.sum(one_ll(kf)))(one)
+    lls = lambda kf, ys: jax.vmap(kf.log_likelihood)(ys)
+    smoothed = lambda kf, ys: jax.vmap(lambda y: kf.smooth(y).means)(ys)
+
+    @eqx.filter_jit
+    def outputs(kf, lls, smoothed):
+        """The log-likelihoods, the gradient of their sum, the smoothed means."""
+        total = lambda kf: (lambda x: (jnp.sum(x), x))(lls(kf, ys))
+        (_, values), grads = eqx.filter_value_and_grad(total, has_aux=True)(kf)
+        return values, grads, smoothed(kf, ys)
+
+    ll, grads, means = outputs(kf, batch(lls, P()), batch(smoothed, P(None, "seq")))
+    ll1, grads1, means1 = outputs(one, lls, smoothed)
+    np.testing.assert_allclose(ll, ll1, rtol=1e-10)
+    np.testing.assert_allclose(means, means1, atol=1e-10)
     for g, g1 in zip(jax.tree.leaves(grads), jax.tree.leaves(grads1)):
         np.testing.assert_allclose(g, g1, rtol=1e-8, atol=1e-10)
 
