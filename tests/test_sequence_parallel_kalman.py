@@ -16,6 +16,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 from kalman_helpers import build, case, reference, STEADY_T
 
 import eqx_seq
+from eqx_seq._kalman._sharded import log_likelihood_sharded
 
 
 pytestmark = pytest.mark.skipif(
@@ -60,10 +61,13 @@ def _smoothed(kf, ys, us):
     return (r.means, r.covs, r.cross_covs), r.filtered.log_likelihood
 
 
-def _split(kf, ys, us=None, outputs=None, out_specs=None, devices=2):
+def _split(kf, ys, us=None, outputs=None, out_specs=None, devices=2, chunk=None):
     """From one compiled program on `devices` devices: `outputs(kf, ys, us)` (its
     `out_specs`; `None`: nothing), and the split log-likelihood with its gradient
-    with respect to `kf`'s parameters (time-varying ones split like the data)."""
+    with respect to `kf`'s parameters (time-varying ones split like the data).
+    With `chunk`, the log-likelihood is the private function under
+    `KalmanFilter.log_likelihood`, a block's element computed `chunk` steps at a
+    time."""
     params, static = eqx.partition(kf, eqx.is_inexact_array)
     in_specs = (_specs(params), P("seq"), None if us is None else P("seq"))
 
@@ -75,7 +79,13 @@ def _split(kf, ys, us=None, outputs=None, out_specs=None, devices=2):
             out_specs=out_specs,
         )
 
-    ll = on_blocks(lambda kf, ys, us: kf.log_likelihood(ys, us=us), P())
+    if chunk is None:
+        ll = on_blocks(lambda kf, ys, us: kf.log_likelihood(ys, us=us), P())
+    else:
+        ll = on_blocks(
+            lambda kf, ys, us: log_likelihood_sharded(kf, ys, us, kf.scan, chunk=chunk),
+            P(),
+        )
 
     def program(params, ys, us):
         out = None if outputs is None else on_blocks(outputs, out_specs)(params, ys, us)
@@ -190,16 +200,13 @@ def test_steady_state_blocks(settles):
 @pytest.mark.parametrize(
     "name, chunk", [("all", 7), ("steady", 150)], ids=["exact", "steady"]
 )
-def test_chunked_elements(name, chunk, monkeypatch):
-    """A block's element computed a chunk at a time (a small `_CHUNK` here; blocks
-    of the default length need long sequences): the chunks' elements combined in
-    a loop give the one-device log-likelihood and its gradient, with
-    exact steps (time-varying, controls, missing entries) and in the steady state
-    (a time-invariant model with complete data, chunks long enough to settle)."""
-    from eqx_seq._kalman import _sharded_element
-
-    monkeypatch.setattr(_sharded_element, "_CHUNK", chunk)
-    jax.clear_caches()  # no program traced with another chunk length is reused
+def test_chunked_elements(name, chunk):
+    """A block's element computed a chunk at a time (a short `chunk` here, given to
+    the private `log_likelihood_sharded`; blocks of the default length, `_CHUNK`,
+    need long sequences): the chunks' elements combined in a loop give the
+    one-device log-likelihood and its gradient, with exact steps (time-varying,
+    controls, missing entries) and in the steady state (a time-invariant model
+    with complete data, chunks long enough to settle)."""
     if name == "steady":
         model, _, _ = case("plain", seed=5)
         ys, us = np.random.default_rng(5).normal(size=(4 * chunk * 2, 2)), None
@@ -208,12 +215,11 @@ def test_chunked_elements(name, chunk, monkeypatch):
         model, ys, us = _trim(model, 36), ys[:36], us[:36]
     one = build(model, eqx_seq.SequentialScan())
     kf = build(model, eqx_seq.ShardedScan("seq"))
-    _, (value, grads) = _split(kf, ys, us)
+    _, (value, grads) = _split(kf, ys, us, chunk=chunk)
     value1, _, grads1 = _one_device(one, ys, us)
     np.testing.assert_allclose(value, value1, rtol=1e-10)
     for g, g1 in zip(jax.tree.leaves(grads), jax.tree.leaves(grads1)):
         np.testing.assert_allclose(g, g1, rtol=1e-8, atol=1e-10)
-    jax.clear_caches()
 
 
 def test_batch_of_split_sequences():

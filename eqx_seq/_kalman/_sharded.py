@@ -32,7 +32,7 @@ from ._parallel import _sqrt_combine, filter_parallel
 from ._problem import _per_step, prepare
 from ._results import KalmanFilterResult, KalmanSmootherResult
 from ._sequential import filter_exact
-from ._sharded_element import block_element, block_log_likelihood, from_state
+from ._sharded_element import _CHUNK, block_element, block_log_likelihood, from_state
 from ._smoother import _element, combine, smooth_elements, smoother_elements
 
 
@@ -68,9 +68,10 @@ def _filtered_before(element, axis_name: str, index: Array):
     return m, L
 
 
-def _exchange(kf, ys, us, scan: "ShardedScan"):
-    """This block's element and `log p(y_s..y_e | x_{s-1} = 0)`, and the filtered
-    state before the block from the elements of all the blocks before it."""
+def _exchange(kf, ys, us, scan: "ShardedScan", chunk: int = _CHUNK):
+    """This block's element and `log p(y_s..y_e | x_{s-1} = 0)` (computed `chunk`
+    steps at a time), and the filtered state before the block from the elements
+    of all the blocks before it."""
     _, index = _mesh_axis(scan.axis_name)
     inner = inner_backend(scan)
     first = index == 0
@@ -78,7 +79,7 @@ def _exchange(kf, ys, us, scan: "ShardedScan"):
     element, ll0 = by_whitening(
         ys,
         inner,
-        lambda w: block_element(prepare(kf, ys, us, w), first, inner, kf),
+        lambda w: block_element(prepare(kf, ys, us, w), first, inner, kf, chunk),
         remat=True,
     )
     return element, ll0, _filtered_before(element, scan.axis_name, index)
@@ -93,11 +94,18 @@ def _finish(kf, ys, us, scan: "ShardedScan", state, whitening):
 
 @full_precision
 def log_likelihood_sharded(
-    kf: "KalmanFilter", ys: Array, us: Array | None, scan: "ShardedScan"
+    kf: "KalmanFilter",
+    ys: Array,
+    us: Array | None,
+    scan: "ShardedScan",
+    *,
+    chunk: int = _CHUNK,
 ) -> Array:
     """The whole sequence's log-likelihood: each block's given the filtered state
-    before it, in closed form from its element, summed over the devices."""
-    element, ll0, (m, L) = _exchange(kf, ys, us, scan)
+    before it, in closed form from its element, summed over the devices. `chunk`:
+    how many steps of a block's element are computed at a time (a static int; the
+    tests pass a short one)."""
+    element, ll0, (m, L) = _exchange(kf, ys, us, scan, chunk)
     ll = block_log_likelihood(element, ll0, m, L)
     return lax.psum(ll, scan.axis_name)
 

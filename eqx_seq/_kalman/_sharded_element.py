@@ -246,16 +246,18 @@ def _split_time(problem: _Problem, head: int, chunk: int):
 _CHUNK = 4096
 
 
-def block_element(problem: _Problem, first: Array, inner: AbstractScan, kf):
-    """The block's element and `log p(y_s..y_e | x_{s-1} = 0)`, a chunk of steps
-    at a time (`_CHUNK`; a block shorter than two chunks is one): the first chunk
-    (the first device's with the prior folded in), then the others' elements
-    combined with it in order."""
+def block_element(
+    problem: _Problem, first: Array, inner: AbstractScan, kf, chunk: int = _CHUNK
+):
+    """The block's element and `log p(y_s..y_e | x_{s-1} = 0)`, `chunk` steps at a
+    time (a static int, `_CHUNK` but in the tests; a block shorter than two chunks
+    is one): the first chunk (the first device's with the prior folded in), then
+    the others' elements combined with it in order."""
     T = problem.num_steps
-    if T < 2 * _CHUNK:
+    if T < 2 * chunk:
         return _element(problem, first, inner, kf)
-    head = T - (T // _CHUNK - 1) * _CHUNK  # between one and two chunks
-    head_problem, rest, build = _split_time(problem, head, _CHUNK)
+    head = T - (T // chunk - 1) * chunk  # between one and two chunks
+    head_problem, rest, build = _split_time(problem, head, chunk)
 
     @jax.checkpoint
     def step(acc, x):
