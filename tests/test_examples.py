@@ -27,15 +27,6 @@ def test_train_digits_example(tmp_path):
         "1",
         "--limit",
         "64",
-        "--width",
-        "8",
-        "--depth",
-        "1",
-        "--state-size",
-        "8",
-        "--ssm-blocks",
-        "1",
-        "--no-progress",
         "--out",
         str(tmp_path),
     )
@@ -46,9 +37,7 @@ def test_train_digits_example(tmp_path):
 
 @pytest.mark.slow
 def test_train_digits_reaches_the_goal(tmp_path):
-    out = run_script(
-        "examples/train_digits.py", "--no-progress", "--out", str(tmp_path)
-    )
+    out = run_script("examples/train_digits.py", "--out", str(tmp_path))
     accuracy = float(out.split("final test accuracy: ")[1].split()[0])
     assert accuracy >= 0.95
 
@@ -60,17 +49,8 @@ def test_train_mnist1d_example(tmp_path):
         "s5",
         "--epochs",
         "1",
-        "--limit",
-        "128",
         "--validation",
         "64",
-        "--width",
-        "8",
-        "--depth",
-        "1",
-        "--state-size",
-        "8",
-        "--no-progress",
         "--out",
         str(tmp_path),
     )
@@ -84,7 +64,6 @@ def test_train_mnist1d_example(tmp_path):
 def test_train_mnist1d_reaches_the_goal(tmp_path):
     out = run_script(
         "examples/train_mnist1d.py",
-        "--no-progress",
         "--out",
         str(tmp_path),
         timeout=3600,
@@ -98,21 +77,8 @@ def test_train_char_lm_example(tmp_path):
         "examples/train_char_lm.py",
         "--steps",
         "2",
-        "--batch-size",
-        "2",
-        "--length",
-        "16",
-        "--width",
-        "8",
-        "--depth",
-        "1",
-        "--state-size",
-        "8",
         "--max-bytes",
         "20000",
-        "--sample",
-        "10",
-        "--no-progress",
         "--out",
         str(tmp_path),
     )
@@ -125,10 +91,6 @@ def test_tridiagonal_smoother_example(tmp_path):
         "examples/tridiagonal_smoother.py",
         "--steps",
         "3",
-        "--batch-size",
-        "4",
-        "--length",
-        "32",
         "--out",
         str(tmp_path),
     )
@@ -152,21 +114,12 @@ def test_selective_copying_example(tmp_path):
         "examples/selective_copying.py",
         "--mixers",
         "mamba,s5",
-        "--lengths",
+        "--length",
         "20",
         "--eval-lengths",
         "24",
         "--steps",
         "2",
-        "--batch-size",
-        "4",
-        "--width",
-        "8",
-        "--state-size",
-        "4",
-        "--eval-sequences",
-        "8",
-        "--no-progress",
         "--out",
         str(tmp_path),
     )
@@ -177,7 +130,7 @@ def test_selective_copying_example(tmp_path):
 
 
 def test_selective_copying_rejects_bad_settings(tmp_path):
-    for bad in (["--mixers", "gru"], ["--lengths", "8"]):
+    for bad in (["--mixers", "gru"], ["--length", "8"]):
         with pytest.raises(AssertionError, match="error"):
             run_script("examples/selective_copying.py", *bad, "--out", str(tmp_path))
 
@@ -189,7 +142,6 @@ def test_selective_copying_mamba_reaches_the_goal(tmp_path):
         "examples/selective_copying.py",
         "--mixers",
         "mamba",
-        "--no-progress",
         "--out",
         str(tmp_path),
         timeout=3600,
