@@ -1,7 +1,11 @@
 """The example scripts run end to end (small settings)."""
 
+import glob
+import os
+import re
+
 import pytest
-from helpers import run_script
+from helpers import ROOT, run_script
 
 
 def test_recurrence_jacobians_example():
@@ -148,3 +152,27 @@ def test_selective_copying_mamba_reaches_the_goal(tmp_path):
     )
     row = next(line for line in out.splitlines() if line.startswith("| mamba |"))
     assert float(row.split("|")[4]) >= 0.99
+
+
+@pytest.mark.parametrize(
+    "script", sorted(glob.glob(os.path.join(ROOT, "examples", "*.py")))
+)
+def test_docs_page_shows_the_whole_script(script):
+    """The script is the page's single source: every line after its docstring lies in
+    a snippet section, and the page includes every section, in the script's order."""
+    name = os.path.basename(script)
+    with open(script, encoding="utf-8") as f:
+        text = f.read()
+    body = text[text.index('"""', 3) + 3 :]  # after the module docstring
+    sections = re.findall(r"^# --8<-- \[start:(\w+)\]$", body, re.MULTILINE)
+    outside = re.sub(
+        r"^# --8<-- \[start:(\w+)\]$.*?^# --8<-- \[end:\1\]$",
+        "",
+        body,
+        flags=re.MULTILINE | re.DOTALL,
+    )
+    assert sections and not outside.strip(), f"{name}: code outside the sections"
+    page = os.path.join(ROOT, "docs", "examples", name.replace(".py", ".md"))
+    with open(page, encoding="utf-8") as f:
+        included = re.findall(rf'--8<-- "examples/{re.escape(name)}:(\w+)"', f.read())
+    assert included == sections
