@@ -18,7 +18,7 @@ float32, one sequence, constant model; state 4 / obs 2 and state 16 / obs 8; T i
   `lgssm_smoother`;
 - "par filter": our parallel (Särkkä & García-Fernández) filter, compile time
   reported; its scan is `AssociativeScan.associative_scan`, by default
-  `eqx_seq._level_scan.level_scan` (levels as a loop). "par (lax.assoc)" is the
+  `eqx_seq._scan.level_scan` (levels as a loop). "par (lax.assoc)" is the
   same filter with `AssociativeScan(_pytree_scan="lax")`, i.e.
   `lax.associative_scan`, for comparison (the previous implementation). Parallel programs run in a
   subprocess with a timeout: long `lax.associative_scan` programs have stalled on

@@ -82,13 +82,17 @@ def check_reset(reset, length: int, name: str) -> Array | None:
     return reset
 
 
-def check_sequence(x, size: int, name: str) -> Array:
-    """`x` if it is one real floating sequence of shape `(T, size)`, `T >= 1`."""
+def check_sequence(x, size: int | None, name: str, features: str = "H") -> Array:
+    """`x` if it is one real floating sequence of shape `(T, size)` (any width if
+    `size` is `None`), `T >= 1`: the input check of every layer that takes one
+    sequence, time first, and leaves a batch to `jax.vmap`. `features` names the
+    width in the message."""
     x = jnp.asarray(x)
-    if x.ndim != 2 or x.shape[0] == 0 or x.shape[1] != size:
+    width = features if size is None else f"{features}) = (T, {size}"
+    if x.ndim != 2 or x.shape[0] == 0 or (size is not None and x.shape[1] != size):
         raise ValueError(
-            f"`{name}` takes one unbatched sequence of shape (T, {size}) with T >= 1, "
-            f"got shape {x.shape}; use `jax.vmap` for a batch."
+            f"`{name}` takes one unbatched sequence of shape (T, {width}) with "
+            f"T >= 1, got shape {x.shape}; use `jax.vmap` for a batch."
         )
     if not jnp.issubdtype(x.dtype, jnp.floating):
         raise ValueError(f"`{name}` needs a real floating input, got {x.dtype}.")

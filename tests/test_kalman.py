@@ -309,15 +309,17 @@ def test_products_at_full_precision(backend, missing):
 # --- what the filter asks of the backend: `parallel`, `associative_scan`, `select` ---
 
 
-class _UserSequential(eqx_seq.AbstractScan):
+class _UserSequential(eqx_seq.AbstractLocalScan):
     parallel = False
+    unroll = 1
 
     def recurrence(self, a, b, h0=None, *, reverse=False):
         return eqx_seq.SequentialScan().recurrence(a, b, h0, reverse=reverse)
 
 
-class _UserParallel(eqx_seq.AbstractScan):
+class _UserParallel(eqx_seq.AbstractLocalScan):
     parallel = True
+    unroll = 1
 
     def recurrence(self, a, b, h0=None, *, reverse=False):
         return eqx_seq.AssociativeScan().recurrence(a, b, h0, reverse=reverse)
@@ -356,21 +358,23 @@ def test_user_backends():
 
 
 def test_user_backends_missing_what_the_filter_needs(getkey):
-    """Never silently replaced: a backend without `parallel`, or a parallel one
-    without `associative_scan`, is refused with the reason."""
+    """Never silently replaced: a backend without `parallel` cannot be made (the
+    contract declares it), and a parallel one that keeps the one-element-after-
+    another `associative_scan` is refused by the filter, with the reason."""
 
-    class NoFlag(eqx_seq.AbstractScan):
+    class NoFlag(eqx_seq.AbstractLocalScan):
+        unroll = 1
+
         def recurrence(self, a, b, h0=None, *, reverse=False):
             return b
 
     class NoPytreeScan(NoFlag):
         parallel = True
 
+    with pytest.raises(TypeError, match="abstract class attributes {'parallel'}"):
+        NoFlag()
     I2, I3 = np.eye(2), np.eye(3)
-    for scan, match in [
-        (NoFlag(), "supports backends that declare `parallel"),
-        (NoPytreeScan(), "implement `associative_scan`"),
-    ]:
+    for scan, match in [(NoPytreeScan(), "implement `associative_scan`")]:
         with pytest.raises(ValueError, match=match):
             eqx_seq.KalmanFilter(3, 2, scan=scan, key=getkey())
         with pytest.raises(ValueError, match=match):

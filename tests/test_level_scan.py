@@ -8,7 +8,7 @@ import pytest
 
 from eqx_seq._kalman._parallel import _combine_filter, _filter_elements
 from eqx_seq._kalman._problem import prepare
-from eqx_seq._level_scan import level_scan
+from eqx_seq._scan import level_scan
 
 
 def affine(earlier, later):

@@ -258,3 +258,64 @@ def test_generate_samples_the_softmax_at_every_temperature(getkey):
         p = jax.nn.softmax(logits / temperature)
         sigma = jnp.sqrt(p * (1 - p) / len(keys))
         assert jnp.all(jnp.abs(counts / len(keys) - p) < 5 * sigma + 1e-3)
+
+
+class _OwnBlock(eqx_seq.AbstractRecurrentLayer):
+    """A user's block: `x + W rglru(x)`."""
+
+    rglru: eqx_seq.RGLRU
+    out: eqx.nn.Linear
+    recurrence_fields = ()
+
+    def __init__(self, width, key):
+        k1, k2 = jr.split(key)
+        self.rglru = eqx_seq.RGLRU(width, dtype=jnp.float64, key=k1)
+        self.out = eqx.nn.Linear(width, width, dtype=jnp.float64, key=k2)
+
+    def __call__(self, x, *, h0=None, key=None):
+        return x + jax.vmap(self.out)(self.rglru(x, h0=h0))
+
+    def final_state(self, x, *, h0=None):
+        return self.rglru.final_state(x, h0=h0)
+
+    def init_state(self):
+        return self.rglru.init_state()
+
+    def step(self, state, x_t):
+        state, y_t = self.rglru.step(state, x_t)
+        return state, x_t + self.out(y_t)
+
+
+class _Halves(_OwnBlock):
+    def __call__(self, x, *, h0=None, key=None):
+        return x[:, ::2]
+
+
+def test_models_take_a_mixer_of_ones_own(getkey):
+    """A function that makes an `AbstractRecurrentLayer` is a mixer: the language
+    model's step mode equals its parallel call through the user's `step`, the
+    classifier runs, and the optimiser labels find the layer inside; a mixer that
+    makes something else, or the wrong width, and a block argument of the
+    library's blocks, are refused."""
+    make = lambda key: _OwnBlock(8, key)  # noqa: E731
+    model = eqx_seq.LanguageModel(11, width=8, depth=2, mixer=make, key=getkey())
+    ids = jr.randint(getkey(), (6,), 0, 11)
+    parallel = model(ids)
+    stepped = jax.lax.scan(lambda s, t: model.step(s, t), model.init_state(), ids)[1]
+    np.testing.assert_allclose(stepped, parallel, atol=1e-10)
+    labels = eqx_seq.ssm_param_labels(model)
+    assert all(block.rglru.a_param == "ssm" for block in labels.blocks)
+    classifier = eqx_seq.SequenceClassifier(
+        2, 3, width=8, depth=1, mixer=make, dtype=jnp.float64, key=getkey()
+    )
+    assert classifier(jnp.ones((5, 2))).shape == (3,)
+    with pytest.raises(ValueError, match="must return an `eqx_seq.AbstractRecurrent"):
+        eqx_seq.LanguageModel(
+            11, width=8, mixer=lambda key: eqx.nn.Identity(), key=getkey()
+        )
+    with pytest.raises(ValueError, match=r"\(T, width\) = \(T, 8\).*gives \(2, 4\)"):
+        eqx_seq.LanguageModel(11, width=8, mixer=lambda k: _Halves(8, k), key=getkey())
+    with pytest.raises(ValueError, match="`dropout` is an argument of the library"):
+        eqx_seq.LanguageModel(11, width=8, mixer=make, dropout=0.1, key=getkey())
+    with pytest.raises(ValueError, match="or a function `key ->"):
+        eqx_seq.LanguageModel(11, width=8, mixer="gru", key=getkey())

@@ -64,6 +64,40 @@ def problem(key, T=29, channels=5, N=3):
     )
 
 
+class _UserSequential(eqx_seq.AbstractLocalScan):
+    """A user's sequential backend: the selective scan runs its fused loop, which
+    never calls `recurrence`."""
+
+    parallel = False
+    unroll = 2
+
+    def recurrence(self, a, b, h0=None, *, reverse=False):
+        raise AssertionError("the fused loop does not call `recurrence`")
+
+
+class _UserParallel(eqx_seq.AbstractLocalScan):
+    """A user's parallel backend: chunked calls of its `recurrence`."""
+
+    parallel = True
+    unroll = 1
+
+    def recurrence(self, a, b, h0=None, *, reverse=False):
+        return eqx_seq.AssociativeScan().recurrence(a, b, h0, reverse=reverse)
+
+
+def test_selective_scan_runs_what_a_user_backend_declares(getkey):
+    """The declared `parallel` picks the algorithm for any backend, a user's too."""
+    p = problem(getkey())
+    y_ref, h_ref = reference(p["u"], p["delta"], p["A"], p["B"], p["C"], h0=p["h0"])
+    for scan in (_UserSequential(), _UserParallel()):
+        y, h = eqx_seq.selective_scan(
+            p["u"], p["delta"], p["A"], p["B"], p["C"], h0=p["h0"],
+            return_last_state=True, scan=scan, chunk_size=4,
+        )  # fmt: skip
+        np.testing.assert_allclose(y, y_ref, rtol=1e-10, atol=1e-12)
+        np.testing.assert_allclose(h, h_ref, rtol=1e-10, atol=1e-12)
+
+
 @pytest.mark.parametrize("scan", SCANS.values(), ids=SCANS.keys())
 @pytest.mark.parametrize("chunk_size", [1, 4, 7, 64])
 def test_selective_scan_matches_numpy_loop(scan, chunk_size, getkey):
@@ -196,7 +230,7 @@ def test_selective_scan_rejects_bad_input(getkey):
         eqx_seq.selective_scan(u, delta, A, B, C, jnp.ones(2))
     with pytest.raises(ValueError, match="`h0` must have shape"):
         eqx_seq.selective_scan(u, delta, A, B, C, h0=jnp.ones(5))
-    with pytest.raises(ValueError, match="one sequence"):
+    with pytest.raises(ValueError, match="one unbatched sequence"):
         eqx_seq.selective_scan(u[None], delta, A, B, C)
     with pytest.raises(ValueError, match="T >= 1"):
         eqx_seq.selective_scan(u[:0], delta[:0], A, B[:0], C[:0])
@@ -395,6 +429,64 @@ def test_ssm_param_labels_mark_rglru_decay(getkey):
     block = labels.blocks[0]
     assert block.rglru.a_param == "ssm"
     assert block.rglru.a_gate_weight == block.in_proj.weight == "regular"
+
+
+def test_recurrent_layers_declare_the_contract(getkey):
+    """Every layer with a state is an `AbstractRecurrentLayer` that names its
+    recurrence parameters, and `ssm_param_labels` reads those names, a user's
+    layer's included (nested in a list of layers, and inside another one); a layer
+    that does not declare them cannot be made."""
+    layers = [
+        eqx_seq.S5(3, 4, key=getkey()),
+        eqx_seq.LRU(3, 4, key=getkey()),
+        eqx_seq.RGLRU(3, key=getkey()),
+        eqx_seq.Mamba(3, state_size=2, key=getkey()),
+    ]
+    layers += [
+        eqx_seq.S5Block(layers[0], key=getkey()),
+        eqx_seq.HawkBlock(3, key=getkey()),
+        eqx_seq.MambaBlock(layers[3]),
+    ]
+    for layer in layers:
+        assert isinstance(layer, eqx_seq.AbstractRecurrentLayer)
+        assert all(hasattr(layer, name) for name in layer.recurrence_fields)
+
+    class Decay(eqx_seq.AbstractRecurrentLayer):
+        a: jax.Array
+        inner: eqx_seq.RGLRU
+        recurrence_fields = ("a",)
+
+        def __call__(self, x, *, h0=None, key=None):
+            return self.inner(x * self.a, h0=h0)
+
+        def final_state(self, x, *, h0=None):
+            return self.inner.final_state(x * self.a, h0=h0)
+
+        def init_state(self):
+            return self.inner.init_state()
+
+        def step(self, state, x_t):
+            return self.inner.step(state, x_t * self.a)
+
+    labels = eqx_seq.ssm_param_labels([Decay(jnp.ones(3), layers[2]), 1.0])
+    assert labels[0].a == labels[0].inner.a_param == "ssm"
+    assert labels[0].inner.a_gate_weight == "regular" and labels[1] is None
+
+    class Bare(eqx_seq.AbstractRecurrentLayer):
+        def __call__(self, x, *, h0=None, key=None):
+            return x
+
+        def final_state(self, x, *, h0=None):
+            return x[-1]
+
+        def init_state(self):
+            return jnp.zeros(())
+
+        def step(self, state, x_t):
+            return state, x_t
+
+    with pytest.raises(TypeError, match="recurrence_fields"):
+        Bare()
 
 
 # ------------------------------------------------------------- packed sequences

@@ -237,3 +237,56 @@ def test_bad_input():
     )
     with pytest.raises(ValueError, match="divisible"):
         uneven(jnp.ones((7, 2)))
+
+
+def _matrix_product(earlier, later):
+    """A non-commutative associative operator on batches of 2 x 2 matrices."""
+    return jnp.einsum("bij,bjk->bik", later, earlier)
+
+
+def test_pytree_scan_on_a_split_time_axis():
+    """`ShardedScan.associative_scan` on four blocks is the inclusive scan of the
+    whole sequence (products of 2 x 2 matrices, in order), both directions, with
+    either inner backend's pytree scan (the one-element-after-another one of
+    `AbstractLocalScan` for `SequentialScan`)."""
+    elems = jr.normal(jr.key(0), (12, 2, 2)) / 2 + jnp.eye(2)[None]
+    expected = {
+        reverse: jax.lax.associative_scan(_matrix_product, elems, reverse=reverse)
+        for reverse in (False, True)
+    }
+
+    def scans(x):
+        return {
+            (name, reverse): eqx_seq.ShardedScan("seq", inner).associative_scan(
+                _matrix_product, x, reverse=reverse
+            )
+            for name, inner in INNER.items()
+            for reverse in (False, True)
+        }
+
+    got = _sharded(scans, P("seq"), devices=4)(elems)
+    for (name, reverse), value in got.items():
+        _assert_close(value, expected[reverse], rtol=1e-12, atol=1e-12)
+        local = INNER[name].associative_scan(_matrix_product, elems, reverse=reverse)
+        _assert_close(local, expected[reverse], rtol=1e-12, atol=1e-12)
+
+
+def test_the_block_backend_declares_the_contract():
+    """What a layer reads of a backend is declared: the block's backend and its
+    `unroll` (an `AutoScan` forwards to its choice), `splits_time`, and the carry
+    into a one-device block is `h0` without calling the block's map."""
+    sharded = eqx_seq.ShardedScan("seq", eqx_seq.SequentialScan(unroll=3))
+    assert sharded.splits_time and not sharded.parallel
+    assert sharded.block_scan() == eqx_seq.SequentialScan(unroll=3)
+    assert sharded.unroll == 3
+    auto = eqx_seq.AutoScan()
+    assert auto.block_scan() == auto.select() and auto.unroll == auto.select().unroll
+    assert not auto.splits_time and auto.parallel == auto.select().parallel
+
+    def never(start):
+        raise AssertionError("one block: no map is needed")
+
+    h0 = jnp.arange(3.0)
+    for scan in (eqx_seq.SequentialScan(), eqx_seq.AssociativeScan(), auto):
+        assert scan.carry_into_block(never, h0) is h0
+        assert not scan.splits_time

@@ -10,8 +10,8 @@ import scipy.linalg
 from jax.test_util import check_grads
 
 import eqx_seq
-import eqx_seq._tridiagonal_thomas as thomas_module
-from eqx_seq._tridiagonal_thomas import _lu_solve, _thomas
+import eqx_seq._tridiagonal._thomas as thomas_module
+from eqx_seq._tridiagonal._thomas import lu_solve, thomas
 
 
 BACKENDS = {
@@ -124,9 +124,9 @@ def test_blocked_sweeps_match_scipy(shapes, axis):
     opts = dict(block_bytes=5 * 8)
 
     def run(*a):
-        x, factors = _thomas(*a, axis=axis, factors=True, **opts)
-        plain = _thomas(*a, axis=axis, **opts)
-        solve = lambda b, t: _lu_solve(factors, b, transpose=t)
+        x, factors = thomas(*a, axis=axis, factors=True, **opts)
+        plain = thomas(*a, axis=axis, **opts)
+        solve = lambda b, t: lu_solve(factors, b, transpose=t)
         return x, plain, solve(rhs2, False), solve(rhs2, True)
 
     x, plain, y, yt = jax.jit(run)(*args)
@@ -438,23 +438,27 @@ def test_bad_input():
     with pytest.raises(ValueError, match="AbstractScan"):
         solve(ones, ones, ones, ones, scan="sequential")
 
-    class Other(eqx_seq.AbstractScan):
+    class Other(eqx_seq.AbstractLocalScan):
+        unroll = 1
+
         def recurrence(self, a, b, h0=None, *, reverse=False):
             return b
 
-    with pytest.raises(ValueError, match="supports"):
+    # `parallel` picks the method: a backend cannot be made without it
+    with pytest.raises(TypeError, match="abstract class attributes {'parallel'}"):
         solve(ones, ones, ones, ones, scan=Other())
 
 
 def test_user_backends():
     """A user's backend runs the algorithm of the kind it declares (`parallel`):
-    Thomas for a sequential one (reading `unroll` if it has one), PCR for a parallel
+    Thomas for a sequential one (with its declared `unroll`), PCR for a parallel
     one, the same numbers as the library's backend of that kind; `select()` is what
     the solve reads. One that does not declare `parallel` is refused (in
     `test_bad_input`)."""
 
-    class UserSequential(eqx_seq.AbstractScan):
+    class UserSequential(eqx_seq.AbstractLocalScan):
         parallel = False
+        unroll = 1
 
         def recurrence(self, a, b, h0=None, *, reverse=False):
             raise AssertionError("not called")

@@ -5,7 +5,7 @@ from typing import Any, TYPE_CHECKING
 import jax.numpy as jnp
 from jaxtyping import Array
 
-from .._sharded_scan import _mesh_axis
+from .._scan import mesh_axis
 
 
 if TYPE_CHECKING:
@@ -18,7 +18,7 @@ def inputs(
     """Validate observations and controls; cast them to the parameters' dtype."""
     ys = observations(kf, ys, caller)
     T = ys.shape[0]
-    if getattr(type(kf.scan), "splits_time", False):
+    if kf.scan.select().splits_time:
         check_block(kf, T, caller)
     else:
         check_length(kf, T, caller)
@@ -63,7 +63,7 @@ def check_length(kf: "KalmanFilter", T: int, caller: str) -> None:
 def check_block(kf: "KalmanFilter", T: int, caller: str) -> None:
     """With the time axis split over devices (`eqx_seq.ShardedScan`): `T` is this
     device's block, and the time-varying matrices must be split like it."""
-    num_devices, _ = _mesh_axis(kf.scan.axis_name)
+    num_devices, _ = mesh_axis(kf.scan.axis_name)
     check_length(kf, T * num_devices, caller)
     leaves = (kf.F, kf.H, kf.Q_factor, kf.R_factor)
     lengths = {x.shape[0] for x in leaves if x.ndim == 3}

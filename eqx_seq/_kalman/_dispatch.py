@@ -37,7 +37,6 @@ def backend(
     return check_scan(
         scan,
         name="eqx_seq.KalmanFilter" + (f".{caller}" if caller else ""),
-        chooses=True,
         pytree_scan=True,
         splits_time=splits_time,
     )

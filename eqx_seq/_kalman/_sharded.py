@@ -20,8 +20,7 @@ import jax.numpy as jnp
 from jaxtyping import Array
 
 from .._misc import full_precision
-from .._scan import AbstractScan, check_scan
-from .._sharded_scan import _mesh_axis
+from .._scan import AbstractScan, check_scan, mesh_axis
 from ._dispatch import by_whitening, filter_problem
 from ._linalg import (
     _factor,
@@ -37,20 +36,18 @@ from ._smoother import _element, combine, smooth_elements, smoother_elements
 
 
 if TYPE_CHECKING:
-    from .._sharded_scan import ShardedScan
+    from .._scan import ShardedScan
     from ._layer import KalmanFilter
 
 
 def splits_time(scan: AbstractScan) -> bool:
     """Whether `scan` splits the time axis over devices (`eqx_seq.ShardedScan`)."""
-    return getattr(type(scan), "splits_time", False)
+    return scan.select().splits_time
 
 
 def inner_backend(scan: "ShardedScan") -> AbstractScan:
     """The backend of each device's block, checked as `KalmanFilter` checks one."""
-    return check_scan(
-        scan.inner, name="eqx_seq.KalmanFilter", chooses=True, pytree_scan=True
-    )
+    return check_scan(scan.inner, name="eqx_seq.KalmanFilter", pytree_scan=True)
 
 
 def _filtered_before(element, axis_name: str, index: Array):
@@ -72,7 +69,7 @@ def _exchange(kf, ys, us, scan: "ShardedScan", chunk: int = _CHUNK):
     """This block's element and `log p(y_s..y_e | x_{s-1} = 0)` (computed `chunk`
     steps at a time), and the filtered state before the block from the elements
     of all the blocks before it."""
-    _, index = _mesh_axis(scan.axis_name)
+    _, index = mesh_axis(scan.axis_name)
     inner = inner_backend(scan)
     first = index == 0
     # the data-dependent whitening is a branch per device; the exchange stays out
@@ -88,7 +85,7 @@ def _exchange(kf, ys, us, scan: "ShardedScan", chunk: int = _CHUNK):
 def _finish(kf, ys, us, scan: "ShardedScan", state, whitening):
     """The problem of this block, its step 1 predicted from the filtered `state`
     before it (from the prior on the first device)."""
-    first = _mesh_axis(scan.axis_name)[1] == 0
+    first = mesh_axis(scan.axis_name)[1] == 0
     return from_state(prepare(kf, ys, us, whitening), first, *state)
 
 
@@ -166,7 +163,7 @@ def smooth_sharded(
     """The smoother of this device's block. `cross_covs` has a row per step: the
     last is the covariance with the next block's first state (zero on the last
     device)."""
-    num_devices, index = _mesh_axis(scan.axis_name)
+    num_devices, index = mesh_axis(scan.axis_name)
     inner = inner_backend(scan)
     last = index == num_devices - 1
     _, _, state = _exchange(kf, ys, us, scan)
@@ -208,7 +205,7 @@ def check_sharded(scan: AbstractScan, initialization: str) -> None:
     time is taken, but not with a diffuse prior (whose exact first steps are not
     reduced to an element here)."""
     check_scan(
-        scan, name="eqx_seq.KalmanFilter", chooses=True, pytree_scan=True,
+        scan, name="eqx_seq.KalmanFilter", pytree_scan=True,
         splits_time=True,
     )  # fmt: skip
     if splits_time(scan):

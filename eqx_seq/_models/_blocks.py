@@ -1,9 +1,11 @@
 """The stack of residual blocks inside the models, one kind per `mixer`."""
 
 import math
+from collections.abc import Callable
 from typing import Literal
 
 import equinox as eqx
+import jax
 import jax.random as jr
 from jaxtyping import Array, PRNGKeyArray
 
@@ -14,12 +16,16 @@ from .._ssm._hawk import HawkBlock
 from .._ssm._lru import LRU
 from .._ssm._mamba import Mamba
 from .._ssm._mamba_block import MambaBlock
+from .._ssm._recurrent import AbstractRecurrentLayer
 from .._ssm._s5 import S5
 
 
 MIXERS = ("s5", "lru", "rglru", "mamba")
-Mixer = Literal["s5", "lru", "rglru", "mamba"]
-Block = S5Block | HawkBlock | MambaBlock
+# a mixer of the library by name, or a user's: a function that makes one block
+Mixer = (
+    Literal["s5", "lru", "rglru", "mamba"]
+    | Callable[[PRNGKeyArray], AbstractRecurrentLayer]
+)
 
 # The block arguments that only some mixers have: the mixers they apply to, their
 # default (the models' signatures' default), and why the other mixers have none.
@@ -64,11 +70,23 @@ def check_block_arguments(mixer: object, **arguments: object) -> None:
     `BLOCK_ARGUMENTS` given to a mixer it does not apply to (a value other than
     its default), and for an invalid value of one that applies (those the blocks
     do not check themselves)."""
-    if not isinstance(mixer, str) or mixer not in MIXERS:
-        raise ValueError(f"`mixer` must be one of {MIXERS}, got {mixer!r}.")
+    own = not isinstance(mixer, str) and callable(mixer)
+    if not own and (not isinstance(mixer, str) or mixer not in MIXERS):
+        raise ValueError(
+            f"`mixer` must be one of {MIXERS} or a function `key -> "
+            f"eqx_seq.AbstractRecurrentLayer` that makes one block, got {mixer!r}."
+        )
     for name, value in arguments.items():
         mixers, default, why = BLOCK_ARGUMENTS[name]
-        if mixer not in mixers:
+        if own:
+            if not _is_default(value, default):
+                raise ValueError(
+                    f"`{name}` is an argument of the library's blocks "
+                    f"(mixer={' or '.join(map(repr, mixers))}), got `{name}={value!r}` "
+                    "with a mixer of your own, which builds its blocks itself: leave "
+                    f"it at its default, {default!r}."
+                )
+        elif mixer not in mixers:
             if not _is_default(value, default):
                 raise ValueError(
                     f"`{name}` applies to mixer={' or '.join(map(repr, mixers))} "
@@ -98,12 +116,13 @@ def make_blocks(
     scan: AbstractScan,
     dtype,
     key: PRNGKeyArray,
-) -> tuple[Block, ...]:
+) -> tuple[AbstractRecurrentLayer, ...]:
     """`depth` residual blocks of width `width`, every recurrence with the backend
     `scan`: [`eqx_seq.S5Block`][]s around S5 or LRU layers,
-    [`eqx_seq.HawkBlock`][]s or [`eqx_seq.MambaBlock`][]s. An argument that the
-    mixer's blocks do not have (`BLOCK_ARGUMENTS`; `bidirectional=True` for the
-    causal selective layers) is refused."""
+    [`eqx_seq.HawkBlock`][]s or [`eqx_seq.MambaBlock`][]s, or the blocks a user's
+    `mixer` makes. An argument that the mixer's blocks do not have
+    (`BLOCK_ARGUMENTS`; `bidirectional=True` for the causal selective layers) is
+    refused."""
     check_positive_int("depth", depth)
     check_block_arguments(
         mixer,
@@ -121,6 +140,8 @@ def make_blocks(
             f'`bidirectional=True` is for the "s5" and "lru" mixers; the {mixer!r} '
             "mixer is causal."
         )
+    if not isinstance(mixer, str):
+        return tuple(_own_block(mixer, width, dtype, k) for k in jr.split(key, depth))
     blocks = []
     for k in jr.split(key, depth):
         ssm_key, block_key = jr.split(k)
@@ -165,6 +186,25 @@ def make_blocks(
             )
         )
     return tuple(blocks)
+
+
+def _own_block(mixer: Callable, width: int, dtype, key: PRNGKeyArray):
+    """`mixer(key)`, checked: a recurrent layer from `(T, width)` to `(T, width)`."""
+    block = mixer(key)
+    if not isinstance(block, AbstractRecurrentLayer):
+        raise ValueError(
+            "A `mixer` of your own must return an `eqx_seq.AbstractRecurrentLayer` "
+            f"(one block of the model), got {type(block).__name__}."
+        )
+    x = jax.ShapeDtypeStruct((2, width), dtype or jax.dtypes.canonicalize_dtype(float))
+    y = eqx.filter_eval_shape(block, x)
+    if not isinstance(y, jax.ShapeDtypeStruct) or y.shape != x.shape:
+        raise ValueError(
+            f"A `mixer` of your own makes blocks that map a sequence of shape "
+            f"(T, width) = (T, {width}) to one of the same shape; "
+            f"`{type(block).__name__}` gives {getattr(y, 'shape', y)} for (2, {width})."
+        )
+    return block
 
 
 def run_blocks(blocks: tuple[eqx.Module, ...], x: Array, key: PRNGKeyArray | None):

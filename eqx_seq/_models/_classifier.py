@@ -8,10 +8,11 @@ import jax.numpy as jnp
 import jax.random as jr
 from jaxtyping import Array, ArrayLike, Bool, Float, PRNGKeyArray, Real
 
-from .._misc import check_positive_int, error_if_any
+from .._misc import check_positive_int, check_sequence, error_if_any
 from .._recurrence import linear_recurrence
 from .._scan import AbstractScan, AutoScan, check_scan
-from ._blocks import Block, make_blocks, Mixer, run_blocks
+from .._ssm._recurrent import AbstractRecurrentLayer
+from ._blocks import make_blocks, Mixer, run_blocks
 
 
 class SequenceClassifier(eqx.Module):
@@ -38,7 +39,9 @@ class SequenceClassifier(eqx.Module):
     | `dropout`       |   ✓    |    ✓    |           |     ✓     |
 
     One given a value other than its default with a mixer that has no such
-    argument is refused (`ValueError`) rather than ignored.
+    argument is refused (`ValueError`) rather than ignored. A mixer of your own
+    (an [`eqx_seq.AbstractRecurrentLayer`][] per block) builds its blocks itself,
+    so it takes none of them.
 
     !!! Example
 
@@ -52,7 +55,7 @@ class SequenceClassifier(eqx.Module):
     """
 
     encoder: eqx.nn.Linear
-    blocks: tuple[Block, ...]
+    blocks: tuple[AbstractRecurrentLayer, ...]
     head: eqx.nn.Linear
     pooling: str = eqx.field(static=True)
     scan: AbstractScan
@@ -85,7 +88,10 @@ class SequenceClassifier(eqx.Module):
         - `depth`: the number of blocks.
         - `state_size`: each SSM's `state_size` (for Mamba, the states per
             channel). Not for `mixer="rglru"`: the RG-LRU's state is the width.
-        - `mixer`: `"s5"`, `"lru"`, `"rglru"` or `"mamba"`.
+        - `mixer`: `"s5"`, `"lru"`, `"rglru"` or `"mamba"`; or a mixer of your
+            own, a function `key -> eqx_seq.AbstractRecurrentLayer` that makes one
+            block from `(T, width)` to `(T, width)` (the model stacks `depth` of
+            them; the block arguments below keep their defaults).
         - `ssm_blocks`: S5's `blocks` (HiPPO blocks of the initialisation);
             `mixer="s5"` only.
         - `bidirectional`: non-causal SSMs (a backward recurrence too; S5 and LRU
@@ -156,13 +162,9 @@ class SequenceClassifier(eqx.Module):
 
         Logits, shape `(num_classes,)`.
         """
-        x = jnp.asarray(x)
-        if x.ndim != 2 or x.shape[1] != self.encoder.in_features:
-            raise ValueError(
-                f"`SequenceClassifier` takes one sequence of shape (T, in_features) = "
-                f"(T, {self.encoder.in_features}), got shape {x.shape}; use "
-                "`jax.vmap` for a batch."
-            )
+        x = check_sequence(
+            x, self.encoder.in_features, "SequenceClassifier", "in_features"
+        )
         x = x.astype(self.encoder.weight.dtype)  # computed in the parameters' dtype
         scan = self.scan.select()
         if mask is not None:

@@ -10,7 +10,7 @@ from jaxtyping import Array, ArrayLike, Bool, Float, PRNGKeyArray, Real
 
 from .._kalman import KalmanFilter
 from .._scan import AbstractScan, AutoScan
-from .._tridiagonal_implicit import TridiagonalImplicit
+from .._tridiagonal import TridiagonalImplicit
 from ._blocks import Mixer
 from ._classifier import SequenceClassifier
 

@@ -11,7 +11,8 @@ from jaxtyping import Array, ArrayLike, Float, Int, PRNGKeyArray, PyTree, Real
 from .._embedding import Embedding
 from .._misc import check_positive_int, error_if_any
 from .._scan import AbstractScan, AutoScan
-from ._blocks import Block, make_blocks, Mixer, run_blocks
+from .._ssm._recurrent import AbstractRecurrentLayer
+from ._blocks import make_blocks, Mixer, run_blocks
 
 
 class LanguageModel(eqx.Module):
@@ -39,7 +40,7 @@ class LanguageModel(eqx.Module):
     """
 
     embedding: Embedding
-    blocks: tuple[Block, ...]
+    blocks: tuple[AbstractRecurrentLayer, ...]
     norm: eqx.nn.LayerNorm
 
     def __init__(
@@ -65,7 +66,9 @@ class LanguageModel(eqx.Module):
             with pre-norm LayerNorms). `state_size` is not for `mixer="rglru"`,
             `ssm_blocks` is for `"s5"` only, `activation` for `"s5"` and `"lru"`,
             and `dropout` not for `"rglru"`: one of them given a value other than
-            its default with a mixer that has no such argument is refused.
+            its default with a mixer that has no such argument is refused. A
+            mixer of your own generates through its blocks' `init_state` and
+            `step`.
         - `scan`: the recurrence backend of every layer.
         - `dtype`: the parameter dtype.
         - `key`: a `jax.random` key. (Keyword only.)

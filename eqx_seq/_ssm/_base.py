@@ -19,9 +19,10 @@ import jax.numpy as jnp
 import jax.random as jr
 from jaxtyping import Array, ArrayLike, Complex, Float, PRNGKeyArray, Real
 
-from .._misc import error_if_any
+from .._misc import check_sequence, error_if_any
 from .._recurrence import linear_recurrence
 from .._scan import AbstractScan, check_scan
+from ._recurrent import AbstractRecurrentLayer
 
 
 def complex_dtype(dtype) -> jnp.dtype:
@@ -66,7 +67,7 @@ class SSMJacobians(eqx.Module):
     wrt_h0: Complex[Array, "*T P"]
 
 
-class AbstractDiagonalSSM(eqx.Module):
+class AbstractDiagonalSSM(AbstractRecurrentLayer):
     """Abstract base class of the diagonal complex state-space layers S5 and LRU.
 
     A concrete layer sets the fields below and implements `_discretise`; everything
@@ -81,7 +82,7 @@ class AbstractDiagonalSSM(eqx.Module):
     scan: eqx.AbstractVar[AbstractScan]
 
     # Names of the fields with one entry per state (shape `(P,)`), in the order
-    # `SSMJacobians.wrt` reports them; the optimiser labels use them too.
+    # `SSMJacobians.wrt` reports them; with `B`, the `recurrence_fields`.
     per_state_fields: ClassVar[tuple[str, ...]]
 
     @property
@@ -113,15 +114,7 @@ class AbstractDiagonalSSM(eqx.Module):
 
     def _check_inputs(self, u: Array, dt, h0, *, streaming: bool) -> tuple:
         name = self._name()
-        u = jnp.asarray(u)
-        if u.ndim != 2 or u.shape[0] == 0 or u.shape[1] != self.input_size:
-            raise ValueError(
-                f"`{name}` takes one unbatched sequence of shape (T, input_size) = "
-                f"(T, {self.input_size}) with T >= 1, got shape {u.shape}; use "
-                "`jax.vmap` for a batch."
-            )
-        if not jnp.issubdtype(u.dtype, jnp.floating):
-            raise ValueError(f"`{name}` needs a real floating input, got {u.dtype}.")
+        u = check_sequence(u, self.input_size, name, "input_size")
         if dt is not None:
             dt = jnp.asarray(dt)
             if dt.shape != (u.shape[0],):

@@ -1,6 +1,6 @@
 """The residual block around an S5 or LRU layer: norm, SSM, GLU, dropout, skip."""
 
-from typing import Literal
+from typing import ClassVar, Literal
 
 import equinox as eqx
 import jax
@@ -10,12 +10,13 @@ from jaxtyping import Array, ArrayLike, Complex, Float, PRNGKeyArray, Real
 
 from .._misc import check_sequence
 from ._base import AbstractDiagonalSSM
+from ._recurrent import AbstractRecurrentLayer
 
 
 _ACTIVATIONS = ("gelu", "full_glu", "half_glu1", "half_glu2")
 
 
-class S5Block(eqx.Module):
+class S5Block(AbstractRecurrentLayer):
     """A residual block around an S5 or LRU layer, as in the S5 paper's models.
 
     `x -> [norm] -> ssm -> activation -> dropout -> + x -> [norm]`, with the norm
@@ -45,6 +46,7 @@ class S5Block(eqx.Module):
         ```
     """
 
+    recurrence_fields: ClassVar[tuple[str, ...]] = ()
     ssm: AbstractDiagonalSSM
     norm: eqx.nn.LayerNorm | eqx.nn.RMSNorm
     gate_in: eqx.nn.Linear | None

@@ -1,5 +1,7 @@
 """Hawk's residual block (Griffin's recurrent block and gated MLP around an RG-LRU)."""
 
+from typing import ClassVar
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -15,6 +17,7 @@ from .._misc import (
 )
 from .._scan import AbstractScan, AutoScan, check_scan
 from ._conv import CausalConv
+from ._recurrent import AbstractRecurrentLayer
 from ._rglru import RGLRU
 
 
@@ -23,7 +26,7 @@ def _per_step(layer, x: Array) -> Array:
     return jax.vmap(layer)(x) if x.ndim == 2 else layer(x)
 
 
-class HawkBlock(eqx.Module):
+class HawkBlock(AbstractRecurrentLayer):
     """Hawk's residual block: Griffin's recurrent block and a gated MLP (De et al.,
     2024), the RG-LRU model's layer.
 
@@ -51,6 +54,7 @@ class HawkBlock(eqx.Module):
         ```
     """
 
+    recurrence_fields: ClassVar[tuple[str, ...]] = ()
     norm: eqx.nn.RMSNorm
     gate_proj: eqx.nn.Linear
     in_proj: eqx.nn.Linear

@@ -53,6 +53,7 @@ class LRU(AbstractDiagonalSSM):
     scan: AbstractScan
 
     per_state_fields: ClassVar[tuple[str, ...]] = ("nu_log", "theta_log", "gamma_log")
+    recurrence_fields: ClassVar[tuple[str, ...]] = (*per_state_fields, "B")
 
     def __init__(
         self,

@@ -1,6 +1,7 @@
 """The Mamba layer: projections, a causal convolution and the selective scan."""
 
 import math
+from typing import ClassVar
 
 import equinox as eqx
 import jax
@@ -17,11 +18,15 @@ from .._misc import (
 )
 from .._scan import AbstractScan, AutoScan, check_scan
 from ._conv import CausalConv
+from ._recurrent import AbstractRecurrentLayer
 from ._selective_core import selective_step
 from ._selective_scan import selective_scan
 
 
 MambaState = tuple[Float[Array, "K1 E"], Float[Array, "E N"]]
+"""The state of [`eqx_seq.Mamba`][] and [`eqx_seq.MambaBlock`][]: `(conv, ssm)`,
+the last `K - 1` inputs of the causal convolution, shape `(d_conv - 1, channels)`,
+and the selective scan's state, shape `(channels, state_size)`."""
 
 
 def _linear(key, fan_in: int, fan_out: int, dtype) -> Array:
@@ -30,7 +35,7 @@ def _linear(key, fan_in: int, fan_out: int, dtype) -> Array:
     return jr.uniform(key, (fan_out, fan_in), dtype, minval=-bound, maxval=bound)
 
 
-class Mamba(eqx.Module):
+class Mamba(AbstractRecurrentLayer):
     """The Mamba layer (S6 with its block): a selective state space model whose
     decay, input and read-out depend on the input.
 
@@ -60,6 +65,7 @@ class Mamba(eqx.Module):
         ```
     """
 
+    recurrence_fields: ClassVar[tuple[str, ...]] = ("A_log", "D", "dt_bias")
     in_proj: Float[Array, "E2 H"]
     conv: CausalConv
     x_proj: Float[Array, "P E"]

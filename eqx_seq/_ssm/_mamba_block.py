@@ -1,16 +1,18 @@
 """The residual block around a Mamba layer: norm, Mamba, dropout, skip."""
 
-from typing import Literal
+from typing import ClassVar, Literal
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike, Bool, Float, PRNGKeyArray, Real
 
+from .._misc import check_sequence
 from ._mamba import Mamba, MambaState
+from ._recurrent import AbstractRecurrentLayer
 
 
-class MambaBlock(eqx.Module):
+class MambaBlock(AbstractRecurrentLayer):
     """A residual block around a [`eqx_seq.Mamba`][] layer, as in the Mamba
     paper's models: `x -> x + dropout(mamba(norm(x)))`.
 
@@ -29,6 +31,7 @@ class MambaBlock(eqx.Module):
         ```
     """
 
+    recurrence_fields: ClassVar[tuple[str, ...]] = ()
     mamba: Mamba
     norm: eqx.nn.LayerNorm | eqx.nn.RMSNorm
     dropout: eqx.nn.Dropout
@@ -79,26 +82,11 @@ class MambaBlock(eqx.Module):
 
         Shape `(T, H)`.
         """
-        x = self._check_sequence(x)
+        # checked before the norm, whose own error would name `RMSNorm`
+        x = check_sequence(x, self.mamba.input_size, "MambaBlock")
         y = self.mamba(jax.vmap(self.norm)(x), reset=reset, h0=h0)
         mask = self.dropout(jnp.ones(y.shape[-1], y.dtype), key=key)
         return x.astype(y.dtype) + y * mask[None]
-
-    def _check_sequence(self, x: object) -> Array:
-        """`x` if it is one real floating sequence `(T, H)`: checked before the
-        norm, whose own error would name `RMSNorm` or `LayerNorm`."""
-        x = jnp.asarray(x)
-        size = self.mamba.input_size
-        if x.ndim != 2 or x.shape[0] == 0 or x.shape[1] != size:
-            raise ValueError(
-                f"`MambaBlock` takes one sequence of shape (T, H) = (T, {size}) with "
-                f"T >= 1, got shape {x.shape}; use `jax.vmap` for a batch."
-            )
-        if not jnp.issubdtype(x.dtype, jnp.floating):
-            raise ValueError(
-                f"`MambaBlock` needs a real floating input, got {x.dtype}."
-            )
-        return x
 
     def _check_state(self, state: object) -> MambaState:
         """`state` if it is a pair of real floating arrays shaped as those of
@@ -145,7 +133,7 @@ class MambaBlock(eqx.Module):
         h0: MambaState | None = None,
     ) -> MambaState:
         """The Mamba layer's state after the last step of `x` (streaming)."""
-        z = jax.vmap(self.norm)(self._check_sequence(x))
+        z = jax.vmap(self.norm)(check_sequence(x, self.mamba.input_size, "MambaBlock"))
         return self.mamba.final_state(z, reset=reset, h0=h0)
 
     def step(

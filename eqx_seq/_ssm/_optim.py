@@ -6,21 +6,25 @@ import optax
 from jaxtyping import PyTree
 
 from .._misc import check_real
-from ._base import AbstractDiagonalSSM
-from ._mamba import Mamba
-from ._rglru import RGLRU
+from ._recurrent import AbstractRecurrentLayer
 
 
-def _recurrence_fields(layer) -> tuple[str, ...] | None:
-    """The fields of `layer` that parameterise its recurrence, or `None` for a
-    module that is not a recurrent layer."""
-    if isinstance(layer, AbstractDiagonalSSM):
-        return (*layer.per_state_fields, "B")
-    if isinstance(layer, Mamba):
-        return ("A_log", "D", "dt_bias")
-    if isinstance(layer, RGLRU):
-        return ("a_param",)
-    return None
+def _is_layer(x: object) -> bool:
+    return isinstance(x, AbstractRecurrentLayer)
+
+
+def _recurrence_parameters(tree: PyTree) -> list:
+    """The `recurrence_fields` of every recurrent layer in `tree`, those nested in
+    another (a block's layer) included."""
+    found = []
+    for layer in jax.tree.leaves(tree, is_leaf=_is_layer):
+        if _is_layer(layer):
+            found += [getattr(layer, name) for name in layer.recurrence_fields]
+            inside = jax.tree.leaves(
+                layer, is_leaf=lambda x: x is not layer and _is_layer(x)
+            )
+            found += _recurrence_parameters([x for x in inside if _is_layer(x)])
+    return found
 
 
 def ssm_param_labels(model: PyTree) -> PyTree[str | None]:
@@ -29,13 +33,14 @@ def ssm_param_labels(model: PyTree) -> PyTree[str | None]:
     S5 and LRU train their recurrence parameters with a smaller learning rate and no
     weight decay (Smith et al., 2023; Orvieto et al., 2023); Mamba's and the
     RG-LRU's decay parameters go without weight decay too. `"ssm"` marks, inside
-    `model`: in every [`eqx_seq.S5`][] and [`eqx_seq.LRU`][], the per-state
-    parameters (S5: `lambda_re`, `lambda_im`, `log_step`; LRU: `nu_log`,
-    `theta_log`, `gamma_log`) and the input matrix `B`; in every
-    [`eqx_seq.Mamba`][], `A_log`, `D` and `dt_bias`; in every [`eqx_seq.RGLRU`][],
-    `a_param`. Every other floating array is `"regular"`, and everything else
-    `None`, so the labels have the structure of
-    `eqx.filter(model, eqx.is_inexact_array)`.
+    `model`, the `recurrence_fields` of every
+    [`eqx_seq.AbstractRecurrentLayer`][] (a user's own included): in every
+    [`eqx_seq.S5`][] and [`eqx_seq.LRU`][], the per-state parameters (S5:
+    `lambda_re`, `lambda_im`, `log_step`; LRU: `nu_log`, `theta_log`,
+    `gamma_log`) and the input matrix `B`; in every [`eqx_seq.Mamba`][], `A_log`,
+    `D` and `dt_bias`; in every [`eqx_seq.RGLRU`][], `a_param`. Every other
+    floating array is `"regular"`, and everything else `None`, so the labels have
+    the structure of `eqx.filter(model, eqx.is_inexact_array)`.
 
     **Arguments:**
 
@@ -66,23 +71,10 @@ def ssm_param_labels(model: PyTree) -> PyTree[str | None]:
     labels = jax.tree.map(
         lambda x: "regular" if eqx.is_inexact_array(x) else None, model
     )
-
-    def is_ssm(x):
-        return _recurrence_fields(x) is not None
-
-    layers = [x for x in jax.tree.leaves(labels, is_leaf=is_ssm) if is_ssm(x)]
-    if not layers:
+    count = len(_recurrence_parameters(labels))
+    if count == 0:
         return labels
-
-    def where(tree):
-        found = [x for x in jax.tree.leaves(tree, is_leaf=is_ssm) if is_ssm(x)]
-        return [
-            getattr(layer, name)
-            for layer in found
-            for name in _recurrence_fields(layer)
-        ]
-
-    return eqx.tree_at(where, labels, replace=["ssm"] * len(where(labels)))
+    return eqx.tree_at(_recurrence_parameters, labels, replace=["ssm"] * count)
 
 
 def s5_optimizer(

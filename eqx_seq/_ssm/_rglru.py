@@ -2,6 +2,7 @@
 diagonal recurrence run on `eqx_seq.linear_recurrence`."""
 
 import math
+from typing import ClassVar
 
 import equinox as eqx
 import jax
@@ -19,6 +20,7 @@ from .._misc import (
 )
 from .._recurrence import linear_recurrence
 from .._scan import AbstractScan, AutoScan, check_scan, decayed
+from ._recurrent import AbstractRecurrentLayer
 
 
 # `sqrt`'s derivative `0.5 / sqrt(x)` is capped at this value, reached where
@@ -47,7 +49,7 @@ def _sqrt_bounded_derivative_jvp(primals, tangents):
     return jnp.sqrt(x), dx * (0.5 / jnp.sqrt(jnp.maximum(x, floor)))
 
 
-class RGLRU(eqx.Module):
+class RGLRU(AbstractRecurrentLayer):
     """The Real-Gated Linear Recurrent Unit of Griffin and Hawk (De et al., 2024).
 
     A diagonal real recurrence whose decay is chosen by the input, per channel:
@@ -79,6 +81,7 @@ class RGLRU(eqx.Module):
         ```
     """
 
+    recurrence_fields: ClassVar[tuple[str, ...]] = ("a_param",)
     a_param: Float[Array, " N"]
     a_gate_weight: Float[Array, "heads block block"]
     a_gate_bias: Float[Array, "heads block"]

@@ -99,6 +99,7 @@ class S5(AbstractDiagonalSSM):
     scan: AbstractScan
 
     per_state_fields: ClassVar[tuple[str, ...]] = ("lambda_re", "lambda_im", "log_step")
+    recurrence_fields: ClassVar[tuple[str, ...]] = (*per_state_fields, "B")
 
     def __init__(
         self,

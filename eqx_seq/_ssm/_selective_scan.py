@@ -6,9 +6,8 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike, Bool, Float
 
-from .._misc import check_positive_int, check_reset, vary_like
-from .._scan import AbstractScan, AutoScan, check_scan, SequentialScan
-from .._sharded_scan import ShardedScan
+from .._misc import check_positive_int, check_reset, check_sequence, vary_like
+from .._scan import AbstractScan, AutoScan, check_scan
 from ._selective_core import (
     LoopKernel,
     RecurrenceKernel,
@@ -39,12 +38,13 @@ def _check_shapes(arrays: dict, T: int, D: int, N: int) -> None:
 
 
 def _block(scan: AbstractScan, chunk: int, args: tuple, h0: Array) -> tuple:
-    """`(y, h_last)` of the selective recurrence from `h0`, by the backend's
-    algorithm: the fused loop of a sequential one, else its chunked recurrences."""
-    if isinstance(scan, SequentialScan):
-        kernel = LoopKernel(scan.unroll)
-    else:
+    """`(y, h_last)` of the selective recurrence from `h0` on one block, by the
+    algorithm the block's backend declares: the fused loop of a sequential one,
+    else its chunked recurrences."""
+    if scan.parallel:
         kernel = RecurrenceKernel(scan)
+    else:
+        kernel = LoopKernel(scan.unroll)
     return selective_chunks(kernel, chunk, *args, h0)
 
 
@@ -70,21 +70,21 @@ def _run(scan, chunk, u, delta, A, B, C, D, z, delta_bias, delta_softplus, h0, r
     keep = jnp.ones(T, A.dtype) if reset is None else (~reset).astype(A.dtype)
     args = (padded(delta), A, padded(u), padded(B), padded(C))
     args = args + (jnp.pad(keep, (0, pad), constant_values=1),)
-    if isinstance(scan, ShardedScan):
-        # this device's block of a time axis split over devices: its affine map
-        # `h -> prod(a) h + H`, with `prod(a) = exp(A sum(delta))` (zero if a
-        # segment starts in it, selected: the exponential alone may overflow where
-        # the resets keep every state finite) and `H` its last state from zero,
-        # folded with the maps before it into the state it starts from
-        inner = scan.inner.select()
+    h0 = jnp.zeros_like(A) if h0 is None else h0
+    h0 = vary_like(h0, A)
+    local = scan.block_scan()
+
+    def block_map(start):
+        # this block's affine map `h -> prod(a) h + H` (for a time axis split over
+        # devices), with `prod(a) = exp(A sum(delta))` (zero if a segment starts in
+        # it, selected: the exponential alone may overflow where the resets keep
+        # every state finite) and `H` its last state from `start`
         total = jnp.sum(delta, axis=0)[:, None]
-        decay = selective_decay(total, A, jnp.min(keep))
-        start = vary_like(scan._block_start(h0, A), A)
-        _, last = _block(inner, chunk, args, start)
-        h0 = scan._carry_into_block((decay, last), start)
-        scan = inner
-    h0 = jnp.zeros_like(A) if h0 is None else vary_like(h0, A)
-    y, h_last = _block(scan, chunk, args, h0)
+        _, last = _block(local, chunk, args, vary_like(start, A))
+        return selective_decay(total, A, jnp.min(keep)), last
+
+    h0 = vary_like(scan.carry_into_block(block_map, h0), A)
+    y, h_last = _block(local, chunk, args, h0)
     y = y[:T]
     if D is not None:
         y = y + D[None] * u
@@ -210,11 +210,7 @@ def selective_scan(
                 f"`{name}`; cast it, e.g. `{name}.astype(jnp.float32)`."
             )
         arrays[name] = x
-    if arrays["u"].ndim != 2 or arrays["u"].shape[0] == 0:
-        raise ValueError(
-            "`selective_scan` takes one sequence: `u` of shape (T, D) with T >= 1, "
-            f"got shape {arrays['u'].shape}; use `jax.vmap` for a batch."
-        )
+    check_sequence(arrays["u"], None, "selective_scan", "D")
     if arrays["A"].ndim != 2:
         raise ValueError(
             f"`selective_scan`: `A` must have shape (D, N), got {arrays['A'].shape}."

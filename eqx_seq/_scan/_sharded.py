@@ -10,30 +10,33 @@ there. The adjoint is the same recurrence backwards in time, so
 `eqx_seq.linear_recurrence`'s derivatives run this backend too; the one step that
 crosses a block boundary (`shift`) is passed between neighbours, as are the steps a
 causal convolution reads before a block (`halo`). The selective scan exchanges its
-blocks' maps with the same `_carry_into_block`. See
+blocks' maps with the same `carry_into_block`. See
 `docs/devdocs/sequence-parallel.md`.
 """
 
+from collections.abc import Callable
 from typing import ClassVar
 
 import equinox as eqx
+import jax
 import jax.lax as lax
 import jax.numpy as jnp
-from jaxtyping import Array, Inexact
+from jaxtyping import Array, Inexact, PyTree
 
-from ._scan import (
-    _compose,
+from .._misc import zeros_like_inputs
+from ._base import (
     AbstractScan,
-    AutoScan,
     check_halo_width,
     check_scan,
+    compose,
     decayed,
     fill_halo,
     shift_local,
 )
+from ._local import AutoScan
 
 
-def _mesh_axis(axis_name: str) -> tuple[int, Array]:
+def mesh_axis(axis_name: str) -> tuple[int, Array]:
     """The size of the mesh axis and this device's index along it, or a clear error
     outside a `jax.shard_map` over it."""
     try:
@@ -57,7 +60,7 @@ def _block_map(
     reduction, which keep its depth logarithmic."""
     num_steps = b.shape[0]
     varying = a.ndim == b.ndim
-    if getattr(type(inner), "parallel", False):
+    if inner.parallel:
         states = inner.recurrence(a, b, h0, reverse=reverse)
         if varying:
             # a zero decay (a reset) zeroes the product, selected: the decays
@@ -84,8 +87,8 @@ def _identity(block: tuple[Array, Array]) -> tuple[Array, Array]:
     return jnp.ones_like(block[0]), jnp.zeros_like(block[1])
 
 
-def _where(cond: Array, x: tuple[Array, Array], y: tuple[Array, Array]):
-    return tuple(jnp.where(cond, x_i, y_i) for x_i, y_i in zip(x, y))
+def _tree_where(cond: Array, x, y):
+    return jax.tree.map(lambda x_i, y_i: jnp.where(cond, x_i, y_i), x, y)
 
 
 def _before_by_gather(
@@ -102,8 +105,8 @@ def _before_by_gather(
     prefix = _identity(block)
     for j in range(num_devices - 1, -1, -1) if reverse else range(num_devices):
         before = (j > index) if reverse else (j < index)
-        composed = _compose(prefix, (maps[0][j], maps[1][j]))
-        prefix = _where(before, composed, prefix)
+        composed = compose(prefix, (maps[0][j], maps[1][j]))
+        prefix = _tree_where(before, composed, prefix)
     return prefix
 
 
@@ -133,8 +136,8 @@ def _before_by_ppermute(
             receives = index >= distance
         # devices that no one sends to receive zeros: they keep what they have
         received = tuple(lax.ppermute(covered, axis_name, pairs))
-        prefix = _where(receives, _compose(received, prefix), prefix)
-        composed = jnp.stack(_compose(received, tuple(covered)))
+        prefix = _tree_where(receives, compose(received, prefix), prefix)
+        composed = jnp.stack(compose(received, tuple(covered)))
         covered = jnp.where(receives, composed, covered)
         distance *= 2
     return prefix
@@ -193,6 +196,16 @@ class ShardedScan(AbstractScan):
                 f"got {self.exchange!r}."
             )
 
+    def select(self) -> AbstractScan:
+        return self
+
+    def block_scan(self) -> AbstractScan:
+        return self.inner.select()
+
+    @property
+    def unroll(self) -> int:
+        return self.block_scan().unroll
+
     def recurrence(
         self,
         a: Inexact[Array, "..."],
@@ -201,53 +214,67 @@ class ShardedScan(AbstractScan):
         *,
         reverse: bool = False,
     ) -> Inexact[Array, " T *S"]:
-        _mesh_axis(self.axis_name)  # its clear error before any work
-        inner = self.inner.select()
-        start = self._block_start(h0, b[0], reverse=reverse)
-        block = _block_map(inner, a, b, start, reverse=reverse)
-        carry = self._carry_into_block(block, start, reverse=reverse)
+        mesh_axis(self.axis_name)  # its clear error before any work
+        inner = self.block_scan()
+        h0 = zeros_like_inputs(b.shape[1:], b.dtype, a, b) if h0 is None else h0
+
+        def block_map(start):
+            return _block_map(inner, a, b, start, reverse=reverse)
+
+        carry = self.carry_into_block(block_map, h0, reverse=reverse)
         return inner.recurrence(a, b, carry, reverse=reverse)
 
-    def _block_start(
-        self, h0: Array | None, like: Array, *, reverse: bool = False
-    ) -> Array:
-        """The state this device's block starts from before the exchange: `h0` on
-        the first device in run order (the last with `reverse`), zeros elsewhere
-        (shaped like `like`). The first block's map then carries `h0` to every
-        later block."""
-        num_devices, index = _mesh_axis(self.axis_name)
-        start = jnp.zeros_like(like)
-        if h0 is None:
-            return start
-        first = num_devices - 1 if reverse else 0
-        return jnp.where(index == first, start + h0, start)
-
-    def _carry_into_block(
+    def carry_into_block(
         self,
-        block: tuple[Array, Array],
-        start: Array,
+        block_map: Callable[[Array], tuple[Array, Array]],
+        h0: Inexact[Array, "*S"],
         *,
         reverse: bool = False,
-    ) -> Array:
-        """The state entering this device's block, from every block's affine map
-        `(A, H)` (`A` the product of its decays, `H` its last state from `start`,
-        in run order): the maps of the blocks before it composed by the
-        `exchange`, applied to `start`. The recurrences with a time axis split over
-        devices share it: the diagonal one of `recurrence` and the selective
-        scan's."""
-        num_devices, index = _mesh_axis(self.axis_name)
+    ) -> Inexact[Array, "*S"]:
+        # Only the first block in run order starts from `h0`, the others from zero:
+        # the first block's map then carries `h0` to every later block.
+        num_devices, index = mesh_axis(self.axis_name)
+        first = num_devices - 1 if reverse else 0
+        start = jnp.where(index == first, h0, jnp.zeros_like(h0))
+        block = block_map(start)
         exchange = _EXCHANGES[self.exchange]
         before = exchange(block, self.axis_name, num_devices, index, reverse=reverse)
         return decayed(before[0], start) + before[1]
 
+    def associative_scan(
+        self, fn: Callable, elems: PyTree[Array], *, reverse: bool = False
+    ) -> PyTree[Array]:
+        # each block's inclusive scan, then the total of the blocks before it in run
+        # order (gathered, combined in device order) combined into every element
+        num_devices, index = mesh_axis(self.axis_name)
+        scanned = self.block_scan().associative_scan(fn, elems, reverse=reverse)
+        last = 0 if reverse else -1
+        totals = lax.all_gather(
+            jax.tree.map(lambda x: x[last][None], scanned), self.axis_name
+        )
+        order = range(num_devices - 1, -1, -1) if reverse else range(num_devices)
+        before, covered = None, None
+        for j in order:
+            total_j = jax.tree.map(lambda x: x[j], totals)
+            covered = total_j if covered is None else fn(covered, total_j)
+            # the devices after `j` in run order see the blocks up to `j`
+            after = index < j if reverse else index > j
+            before = covered if before is None else _tree_where(after, covered, before)
+        first = num_devices - 1 if reverse else 0
+        length = jax.tree.leaves(scanned)[0].shape[0]
+        prefix = jax.tree.map(
+            lambda x: jnp.broadcast_to(x, (length, *x.shape[1:])), before
+        )
+        return _tree_where(index == first, scanned, fn(prefix, scanned))
+
     def shift(
         self,
         x: Inexact[Array, " T *S"],
-        fill: Inexact[Array, "*S"],
+        fill: Inexact[Array, "*#S"],
         *,
         reverse: bool = False,
     ) -> Inexact[Array, " T *S"]:
-        num_devices, index = _mesh_axis(self.axis_name)
+        num_devices, index = mesh_axis(self.axis_name)
         # each block's boundary step comes from the block before it in run order
         steps = range(num_devices - 1)
         if reverse:
@@ -260,7 +287,7 @@ class ShardedScan(AbstractScan):
         return shift_local(x, boundary, reverse=reverse)
 
     def sum_over_blocks(self, x: Inexact[Array, "..."]) -> Inexact[Array, "..."]:
-        _mesh_axis(self.axis_name)  # the clear error outside `jax.shard_map`
+        mesh_axis(self.axis_name)  # the clear error outside `jax.shard_map`
         return lax.psum(x, self.axis_name)
 
     def halo(
@@ -272,7 +299,7 @@ class ShardedScan(AbstractScan):
         reverse: bool = False,
     ) -> Inexact[Array, " W *C"]:
         check_halo_width(width)
-        num_devices, index = _mesh_axis(self.axis_name)
+        num_devices, index = mesh_axis(self.axis_name)
         num_steps = x.shape[0]
         if num_steps < width:
             raise ValueError(

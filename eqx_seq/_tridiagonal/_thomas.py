@@ -10,7 +10,7 @@ import jax.lax as lax
 import jax.numpy as jnp
 from jaxtyping import Array
 
-from ._misc import zeros_like_inputs
+from .._misc import zeros_like_inputs
 
 
 # Systems per block on the Thomas path, as bytes of one row of a block (1024 float32
@@ -225,7 +225,7 @@ class _Factors(NamedTuple):
     unroll: int
 
 
-def _thomas(
+def thomas(
     l,
     d,
     u,
@@ -239,7 +239,7 @@ def _thomas(
     """Thomas along `axis` of rank-aligned arrays, in blocks of systems.
 
     Returns `x` with the broadcast shape of the inputs, and with `factors` also the
-    `_Factors` of the matrix for `_lu_solve`.
+    `_Factors` of the matrix for `lu_solve`.
     """
     full = jnp.broadcast_shapes(l.shape, d.shape, u.shape, r.shape)
     if block_bytes is None:
@@ -263,7 +263,7 @@ def _thomas(
     return x, _Factors(ins[0], ins[2], outs[1], full, axis, block, unroll)
 
 
-def _lu_solve(f: _Factors, b: Array, *, transpose: bool) -> Array:
+def lu_solve(f: _Factors, b: Array, *, transpose: bool) -> Array:
     """Solve `A x = b` (or `A^T x = b`) with the factors of `A`, in blocks."""
     ins = (f.lower, f.upper, f.inv, _as_pnq(b, f.axis, f.full))
     kernel = ft.partial(_k_lu, transpose=transpose, unroll=f.unroll)

@@ -6,9 +6,14 @@ import jax.numpy as jnp
 import jax.random as jr
 from jaxtyping import Array, ArrayLike, Float, PRNGKeyArray
 
-from ._misc import check_positive_int, check_real, default_floating_dtype
-from ._scan import AbstractScan, AutoScan, check_scan
-from ._tridiagonal import tridiagonal_solve
+from .._misc import (
+    check_positive_int,
+    check_real,
+    check_sequence,
+    default_floating_dtype,
+)
+from .._scan import AbstractScan, AutoScan, check_scan
+from ._solve import tridiagonal_solve
 
 
 class TridiagonalImplicit(eqx.Module):
@@ -91,7 +96,7 @@ class TridiagonalImplicit(eqx.Module):
                 f"{coupling_range!r}."
             )
         # the solve runs Thomas or PCR as the backend declares: checked here already
-        check_scan(scan, name="eqx_seq.TridiagonalImplicit", chooses=True)
+        check_scan(scan, name="eqx_seq.TridiagonalImplicit")
         dtype = default_floating_dtype() if dtype is None else jnp.dtype(dtype)
         log_kappa = jr.uniform(
             key, (channels,), dtype, jnp.log(low).item(), jnp.log(high).item()
@@ -109,18 +114,7 @@ class TridiagonalImplicit(eqx.Module):
         self.scan = scan
 
     def _check(self, x: ArrayLike) -> Array:
-        x = jnp.asarray(x)
-        if x.ndim != 2 or x.shape[0] == 0 or x.shape[1] != self.channels:
-            raise ValueError(
-                f"eqx_seq.TridiagonalImplicit({self.channels}) takes one sequence of "
-                f"shape (T, {self.channels}) with T >= 1, got {x.shape}; use "
-                "`jax.vmap` over a batch."
-            )
-        if not jnp.issubdtype(x.dtype, jnp.floating):
-            raise ValueError(
-                f"eqx_seq.TridiagonalImplicit needs a floating input, got {x.dtype}."
-            )
-        return x
+        return check_sequence(x, self.channels, "TridiagonalImplicit", "channels")
 
     def couplings(
         self, x: Float[ArrayLike, " T channels"]

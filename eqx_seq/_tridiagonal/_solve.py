@@ -1,8 +1,8 @@
 """Batched tridiagonal solves along any axis, differentiated implicitly.
 
 The backend picks the method: Thomas for [`eqx_seq.SequentialScan`][] (sweeps over
-blocks of systems, `_tridiagonal_thomas.py`), parallel cyclic reduction for
-[`eqx_seq.AssociativeScan`][] (`_tridiagonal_pcr.py`), and
+blocks of systems, `_tridiagonal/_thomas.py`), parallel cyclic reduction for
+[`eqx_seq.AssociativeScan`][] (`_tridiagonal/_pcr.py`), and
 `jax.lax.linalg.tridiagonal_solve` for `pivoting=True`. Derivatives are implicit,
 never autodiff through the sweeps: Thomas's `jax.custom_jvp` reuses the factors of
 its primal pass for the tangent and the adjoint, and the other two methods solve
@@ -17,24 +17,24 @@ import jax.lax as lax
 import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike, Inexact
 
-from ._misc import error_if_any, vary_like
-from ._scan import AbstractScan, AutoScan, check_scan
-from ._tridiagonal_pcr import _pcr, _shift, _zero_corners
-from ._tridiagonal_thomas import _lu_solve, _thomas
+from .._misc import error_if_any, vary_like
+from .._scan import AbstractScan, AutoScan, check_scan
+from ._pcr import pcr, shift, zero_corners
+from ._thomas import lu_solve, thomas
 
 
 # ------------------------------------------------------------- the public solve
 def _matvec(l, d, u, x, *, axis: int) -> Array:
     """`A x` for the tridiagonal `A`: `l[i] x[i-1] + d[i] x[i] + u[i] x[i+1]`."""
-    below = _shift(x, 1, axis, 0, down=True)
-    above = _shift(x, 1, axis, 0, down=False)
+    below = shift(x, 1, axis, 0, down=True)
+    above = shift(x, 1, axis, 0, down=False)
     return l * below + d * x + u * above
 
 
 @ft.partial(jax.custom_jvp, nondiff_argnums=(4, 5))
 def _thomas_solve(l, d, u, r, axis: int, unroll: int) -> Array:
     """Thomas, differentiated by the rule below (never through the sweeps)."""
-    return _thomas(l, d, u, r, axis=axis, unroll=unroll)
+    return thomas(l, d, u, r, axis=axis, unroll=unroll)
 
 
 @_thomas_solve.defjvp
@@ -44,15 +44,15 @@ def _thomas_solve_jvp(axis, unroll, primals, tangents):
     # A^T = U^T L^T: two sweeps of multiplications, then elementwise products
     l, d, u, r = primals
     dl, dd, du, dr = tangents
-    x, factors = _thomas(l, d, u, r, axis=axis, unroll=unroll, factors=True)
+    x, factors = thomas(l, d, u, r, axis=axis, unroll=unroll, factors=True)
     full = x.shape
     matvec = lambda v: jnp.broadcast_to(_matvec(l, d, u, v, axis=axis), full)
     rhs = jnp.broadcast_to(dr - _matvec(dl, dd, du, x, axis=axis), full)
     dx = lax.custom_linear_solve(
         matvec,
         rhs,
-        lambda _, b: _lu_solve(factors, b, transpose=False),
-        lambda _, b: _lu_solve(factors, b, transpose=True),
+        lambda _, b: lu_solve(factors, b, transpose=False),
+        lambda _, b: lu_solve(factors, b, transpose=True),
     )
     return x, dx
 
@@ -69,11 +69,11 @@ def _pivoting_solve(l, d, u, r, *, axis: int) -> Array:
 def _checked(l, d, u, r, x, *, axis: int, dominance: bool) -> Array:
     """`x`, raising through `eqx.error_if` for non-dominant or singular systems."""
     if dominance:
-        l, u = _zero_corners(l, u, axis)
+        l, u = zero_corners(l, u, axis)
         a_l, a_d, a_u = jnp.abs(l), jnp.abs(d), jnp.abs(u)
         by_rows = jnp.all(a_d >= a_l + a_u, axis=axis)
-        below = _shift(a_u, 1, axis, 0, down=True)  # |A[i-1, i]|
-        above = _shift(a_l, 1, axis, 0, down=False)  # |A[i+1, i]|
+        below = shift(a_u, 1, axis, 0, down=True)  # |A[i-1, i]|
+        above = shift(a_l, 1, axis, 0, down=False)  # |A[i+1, i]|
         by_columns = jnp.all(a_d >= below + above, axis=axis)
         x = error_if_any(
             x,
@@ -95,7 +95,7 @@ def _checked(l, d, u, r, x, *, axis: int, dominance: bool) -> Array:
 def _solve(l, d, u, r, axis, scan, pivoting, check):
     full = r.shape
     if not scan.parallel and not pivoting:
-        x = _thomas_solve(l, d, u, r, axis, getattr(scan, "unroll", 1))
+        x = _thomas_solve(l, d, u, r, axis, scan.unroll)
         if check:
             x = _checked(l, d, u, r, x, axis=axis, dominance=True)
         return x
@@ -103,15 +103,15 @@ def _solve(l, d, u, r, axis, scan, pivoting, check):
     if pivoting:
         solve = lambda _, b: _pivoting_solve(l, d, u, b, axis=axis)
         transpose_solve = lambda _, b: _pivoting_solve(
-            _shift(u, 1, axis, 0, down=True),
+            shift(u, 1, axis, 0, down=True),
             d,
-            _shift(l, 1, axis, 0, down=False),
+            shift(l, 1, axis, 0, down=False),
             b,
             axis=axis,
         )
     else:
-        solve = lambda _, b: _pcr(l, d, u, b, axis=axis, transpose=False)
-        transpose_solve = lambda _, b: _pcr(l, d, u, b, axis=axis, transpose=True)
+        solve = lambda _, b: pcr(l, d, u, b, axis=axis, transpose=False)
+        transpose_solve = lambda _, b: pcr(l, d, u, b, axis=axis, transpose=True)
     matvec = lambda x: jnp.broadcast_to(_matvec(l, d, u, x, axis=axis), full)
     x = lax.custom_linear_solve(matvec, r, solve, transpose_solve)
     if check:
@@ -229,7 +229,7 @@ def tridiagonal_solve(
         "Bounding the error in Gaussian elimination for tridiagonal systems", SIAM
         J. Matrix Anal. Appl. 11(4), 1990.
     """
-    scan = check_scan(scan, name="eqx_seq.tridiagonal_solve", chooses=True)
+    scan = check_scan(scan, name="eqx_seq.tridiagonal_solve")
     try:
         arrays = [jnp.asarray(x) for x in (lower, diag, upper, rhs)]
     except TypeError as e:

@@ -7,7 +7,7 @@ from jaxtyping import Array
 
 
 # ------------------------------------------------------ parallel cyclic reduction
-def _shift(x: Array, s: int, axis: int, fill: float, *, down: bool) -> Array:
+def shift(x: Array, s: int, axis: int, fill: float, *, down: bool) -> Array:
     """`x[i - s]` (`down`) or `x[i + s]` along `axis`, `fill` outside the range."""
     n = x.shape[axis]
     s = min(s, n)
@@ -21,7 +21,7 @@ def _shift(x: Array, s: int, axis: int, fill: float, *, down: bool) -> Array:
     return lax.pad(kept, jnp.asarray(fill, x.dtype), pad)
 
 
-def _zero_corners(l: Array, u: Array, axis: int) -> tuple[Array, Array]:
+def zero_corners(l: Array, u: Array, axis: int) -> tuple[Array, Array]:
     """`l[0]` and `u[-1]` along `axis` (the ignored entries) set to zero."""
     n = l.shape[axis]
     index = lax.broadcasted_iota(jnp.int32, (1,) * axis + (n,), axis)
@@ -31,7 +31,7 @@ def _zero_corners(l: Array, u: Array, axis: int) -> tuple[Array, Array]:
     return l, u
 
 
-def _pcr(l, d, u, r, *, axis: int, transpose: bool) -> Array:
+def pcr(l, d, u, r, *, axis: int, transpose: bool) -> Array:
     """Parallel cyclic reduction along `axis`.
 
     Round `k` (`s = 2^k`) eliminates each row's couplings to rows `i - s` and
@@ -42,13 +42,13 @@ def _pcr(l, d, u, r, *, axis: int, transpose: bool) -> Array:
     XLA fused them, recomputed earlier rounds and compiled slower.
     """
     if transpose:
-        l, u = _shift(u, 1, axis, 0, down=True), _shift(l, 1, axis, 0, down=False)
+        l, u = shift(u, 1, axis, 0, down=True), shift(l, 1, axis, 0, down=False)
     n = r.shape[axis]
     index = lax.broadcasted_iota(jnp.int32, (1,) * axis + (n,), axis)
     index = index.reshape(index.shape + (1,) * (r.ndim - axis - 1))
     zero = jnp.zeros((), r.dtype)
     inv = 1 / d
-    l, u = _zero_corners(l * inv, u * inv, axis)
+    l, u = zero_corners(l * inv, u * inv, axis)
     full = jnp.broadcast_shapes(l.shape, u.shape, r.shape)
     l, u, r = (jnp.broadcast_to(x, full) for x in (l, u, r * inv))
 
