@@ -28,8 +28,13 @@ from _timing import (  # noqa: E402
     allocator_line,
     machine,
     measure_many,
+    ms,
     results_path,
-    write_json,
+    save,
+    span,
+    table,
+    times,
+    write_reports,
 )
 
 
@@ -74,6 +79,57 @@ def op_counts(fn, *args):
     }
 
 
+# --- the report: printed, and written beside the JSON ------------------------------
+TAKE = "raw jnp.take (anchor)"
+
+
+def tables(p):
+    """The markdown of a results payload: one table, both id shapes."""
+    rows = []
+    for shape, res in p["runs"].items():
+        anchor = res[TAKE]
+        for name, r in res.items():
+            hf, hg = r["hlo_forward"], r["hlo_grad"]
+            rows.append(
+                [
+                    f"`{shape}`",
+                    f"`{name}`",
+                    ms(r["forward_ms"]),
+                    times(anchor["forward_ms"] / r["forward_ms"]),
+                    ms(r["grad_ms"]),
+                    times(anchor["grad_ms"] / r["grad_ms"]),
+                    f"{hf['gather']}/{hf['scatter']}/{hf['instructions']}",
+                    f"{hg['gather']}/{hg['scatter']}/{hg['instructions']}",
+                ]
+            )
+    out = [
+        f"Weight ({p['vocab']}, {p['dim']}) float32; speed-ups against raw "
+        "`jnp.take` in the same run; HLO: gathers / scatters / instructions.",
+        "",
+    ]
+    return out + table(
+        "ids | variant | fwd ms | fwd vs take | grad ms | grad vs take | HLO fwd | "
+        "HLO grad",
+        rows,
+    )
+
+
+def headline(p):
+    fwd, grad = [], []
+    for res in p["runs"].values():
+        for name, r in res.items():
+            if name.startswith("eqx_seq"):
+                fwd.append(res[TAKE]["forward_ms"] / r["forward_ms"])
+                grad.append(res[TAKE]["grad_ms"] / r["grad_ms"])
+    return (
+        f"`eqx_seq.Embedding` vs raw `jnp.take`: forward {span(fwd)}, "
+        f"gradient {span(grad)} (speed-up; 1× is par)"
+    )
+
+
+REPORTS = {"embedding": (headline, tables)}
+
+
 def main():
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -85,7 +141,13 @@ def main():
         default=results_path("embedding"),
         help="default: results/<machine>/embedding.json",
     )
+    parser.add_argument(
+        "--report", nargs="+", metavar="JSON", help="write the .md of stored results"
+    )
     args = parser.parse_args()
+    if args.report:
+        write_reports(REPORTS, args.report)
+        return
     V, D = (4000, 128) if args.quick else (32000, 512)
     shapes = [(8, 64), (512,)] if args.quick else [(64, 512), (4096,)]
     info = machine()
@@ -111,25 +173,6 @@ def main():
             counts[name] = (op_counts(fwd, w, ids), op_counts(grad, w, ids, ct))
         slow = [k for k in progs if k[0].startswith("one-hot")]
         res = measure_many(progs, repeats=args.repeats, min_time=0.1, slow=slow)
-        anchor = {
-            kind: res[("raw jnp.take (anchor)", kind)]["median_ms"]
-            for kind in ("forward", "grad wrt weight")
-        }
-        print(
-            f"\n== ids {shape}, weight ({V}, {D}) float32; ms (median), ratio to raw take =="
-        )
-        print(
-            f"{'variant':34s} {'forward':>9s} {'ratio':>6s} {'grad':>9s} {'ratio':>6s}   HLO fwd: gather/scatter/instr   bwd: gather/scatter/instr"
-        )
-        for name in counts:
-            f_ms = res[(name, "forward")]["median_ms"]
-            g_ms = res[(name, "grad wrt weight")]["median_ms"]
-            cf, cb = counts[name]
-            print(
-                f"{name:34s} {f_ms:9.2f} {f_ms / anchor['forward']:6.2f} {g_ms:9.2f} {g_ms / anchor['grad wrt weight']:6.2f}"
-                f"   {cf['gather']:>6d}/{cf['scatter']}/{cf['instructions']:<4d}"
-                f"                 {cb['gather']:>3d}/{cb['scatter']}/{cb['instructions']}"
-            )
         payload["runs"][str(shape)] = {
             name: {
                 "forward_ms": res[(name, "forward")]["median_ms"],
@@ -140,7 +183,7 @@ def main():
             }
             for name in counts
         }
-    write_json(args.json, payload)
+    save(args.json, payload, REPORTS["embedding"])
 
 
 if __name__ == "__main__":

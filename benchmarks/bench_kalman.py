@@ -69,10 +69,18 @@ import eqx_seq
 sys.path.insert(0, os.path.dirname(__file__))
 from _timing import (  # noqa: E402
     allocator_line,
+    DASH,
+    div,
+    faster,
     machine,
     measure_many,
+    ms,
     results_path,
-    write_json,
+    save,
+    span,
+    table,
+    times,
+    write_reports,
 )
 
 
@@ -198,14 +206,11 @@ def extras(args, info):
     sizes = [(4, 2)] if args.quick else [(4, 2), (16, 8)]
     lengths = [1000] if args.quick else [1000, 10_000]
     payload = {"machine": info, "dtype": "float32", "runs": {}, "stream_step": {}}
-    print(
-        f"\n{'n/p':>5s} {'T':>6s} {'program':30s} {'ms':>9s} {'x filter':>8s} "
-        f"{'compile s':>9s}"
-    )
     for n, p in sizes:
         for T in lengths:
             run = payload["runs"][f"{n}/{p}/{T}"] = {}
             for label in ("seq", "par"):
+                print(f"measuring: {n}/{p}, T={T}, {label}")
                 # a subprocess with a timeout: batched LAPACK calls (the parallel
                 # filter's) have stalled on this CPU's thread pool
                 child = f"{n},{p},{T},{label},{args.repeats}"
@@ -226,24 +231,15 @@ def extras(args, info):
                     run[label] = {"status": msg}
                     print(f"{n:>2d}/{p:<2d} {T:>6d} {label}: {msg}")
                     continue
-                res = run[label] = json.loads(out.stdout.strip().splitlines()[-1])
-                fwd = res[f"{label}: filter"]["median_ms"]
-                for name, r in res.items():
-                    print(
-                        f"{n:>2d}/{p:<2d} {T:>6d} {name:30s} {r['median_ms']:9.2f} "
-                        f"{r['median_ms'] / fwd:8.2f} {r['first_call_s']:9.2f}"
-                    )
+                run[label] = json.loads(out.stdout.strip().splitlines()[-1])
         # online filtering: one predict + update from Python (dispatch included)
         kf = model(n, p, eqx_seq.SequentialScan())
         _, ys = kf.sample(jr.key(1), 1)
         step = lambda kf, state, y: kf.update(kf.predict(state), y)
         res = measure_many({"step": (step, (kf, kf.init_state(), ys[0]))}, min_time=0.2)
         payload["stream_step"][f"{n}/{p}"] = res["step"]
-        print(
-            f"{n:>2d}/{p:<2d} {'-':>6s} {'stream: predict + update':30s} "
-            f"{res['step']['median_ms']:9.3f}"
-        )
-    write_json(args.json or results_path("kalman_extras"), payload)
+    path = args.json or results_path("kalman_extras")
+    save(path, payload, REPORTS["kalman_extras"])
 
 
 def em_programs(n, p, T, iters):
@@ -294,42 +290,234 @@ def em_programs(n, p, T, iters):
 def em_main(args, info):
     iters = args.em_iters
     payload = {"machine": info, "dtype": "float32", "iters": iters, "runs": {}}
-    print(
-        f"\nEM, {iters} iterations per call, ms per iteration (median of "
-        f"{args.repeats})\n"
-        f"{'n/p':>5s} {'T':>6s} {'ours':>9s} {'dynamax':>9s} {'x dynamax':>9s} "
-        f"{'compile s':>13s} {'trace max rel diff':>18s} {'ours 10% NaN':>12s}"
-    )
     sizes = [(4, 2)] if args.quick else [(4, 2), (16, 8)]
     lengths = [1000] if args.quick else [1000, 10_000]
     for n, p in sizes:
         for T in lengths:
+            print(f"measuring: EM, {n}/{p}, T={T}")
             progs, traces, first = em_programs(n, p, T, iters)
             res = measure_many(progs, repeats=args.repeats)
             per = {k: r["median_ms"] / iters for k, r in res.items()}
             ours = traces["ours"]
             row = {"ms_per_iter": per, "first_call_s": {}, "trace": {}}
             row["trace"]["ours"] = [float(v) for v in ours]
-            compile_s = "/".join(
-                f"{first[k]:.1f}" for k in ("ours", "dynamax") if k in first
-            )
-            ratio, diff = "", ""
             if "dynamax" in per:
                 theirs = traces["dynamax"]
                 row["trace"]["dynamax"] = [float(v) for v in theirs]
                 rel = abs(ours[:-1] - theirs[1:]) / abs(theirs[1:])
                 row["trace_max_rel_diff"] = float(rel.max()) if iters > 1 else None
                 row["speedup"] = per["dynamax"] / per["ours"]
-                ratio = f"{row['speedup']:8.1f}x"
-                diff = f"{rel.max():.1e}" if iters > 1 else "-"
             row["first_call_s"] = first
-            print(
-                f"{n:>2d}/{p:<2d} {T:>6d} {per['ours']:9.2f} "
-                f"{per.get('dynamax', float('nan')):9.2f} {ratio:>9s} "
-                f"{compile_s:>13s} {diff:>18s} {per['ours missing']:12.2f}"
-            )
             payload["runs"][f"{n}/{p}/{T}"] = row
-    write_json(args.em_json, payload)
+    save(args.em_json, payload, REPORTS["kalman_em"])
+
+
+# --- the reports: printed, and written beside the JSON -----------------------------
+def kalman_rows(p):
+    for key, run in p["runs"].items():
+        n, obs, T = key.split("/")
+        yield f"{n}/{obs}", int(T), run
+
+
+def kalman_tables(p):
+    """The markdown of a results payload: the ratios, then every time."""
+    rows, full = [], []
+    for size, T, run in kalman_rows(p):
+        seq, par = run["seq"], run["par"]
+        t = {k: v["median_ms"] for k, v in seq.items()}
+        f = t["ours: seq filter"]
+        pf = par.get("par filter", {})
+        rows.append(
+            [
+                size,
+                T,
+                ms(f),
+                times(div(t.get("dynamax: seq filter"), f)),
+                times(t["ours: seq filter (exact)"] / f),
+                times(t["ours: seq grad"] / f),
+                times(div(t.get("dynamax: seq grad"), t["ours: seq grad"])),
+                times(t["ours: seq smoother"] / f),
+                times(div(t.get("dynamax: seq smoother"), t["ours: seq smoother"])),
+                times(div(pf.get("median_ms"), f)),
+                f"{pf['compile_s']:.2f}" if "compile_s" in pf else DASH,
+            ]
+        )
+        full.append(
+            [size, T]
+            + [ms(t.get(k)) for k in KALMAN_COLUMNS]
+            + [
+                ms(par.get(k, {}).get("median_ms"))
+                for k in ("par filter", "par (lax.assoc)")
+            ]
+        )
+    out = [
+        f"{p['dtype']}, one sequence, the default `KalmanFilter(n, p)` model; "
+        '"vs dynamax": dynamax\'s time for the same task over ours; parallel '
+        "filter only at T ≤ 10k, in a subprocess.",
+        "",
+    ]
+    out += table(
+        "n/p | T | filter ms | filter vs dynamax | exact x fwd | grad x fwd | "
+        "grad vs dynamax | smoother x fwd | smoother vs dynamax | parallel x fwd | "
+        "parallel compile s",
+        rows,
+    )
+    out += ["All times (ms):", ""]
+    names = KALMAN_COLUMNS + ("ours: par filter", "ours: par (lax.assoc)")
+    out += table(" | ".join(["n/p", "T"] + [f"`{k}`" for k in names]), full)
+    return out
+
+
+KALMAN_COLUMNS = (
+    "ours: seq filter",
+    "ours: seq filter (exact)",
+    "ours: seq grad",
+    "ours: seq grad (plain AD)",
+    "ours: seq smoother",
+    "dynamax: seq filter",
+    "dynamax: seq grad",
+    "dynamax: seq smoother",
+)
+
+
+def kalman_summary(p):
+    filt, grad = {}, {}
+    for size, _, run in kalman_rows(p):
+        t = {k: v["median_ms"] for k, v in run["seq"].items()}
+        if "dynamax: seq filter" in t:
+            filt.setdefault(size, []).append(
+                t["dynamax: seq filter"] / t["ours: seq filter"]
+            )
+            grad.setdefault(size, []).append(
+                t["dynamax: seq grad"] / t["ours: seq grad"]
+            )
+        else:
+            grad.setdefault(size, []).append(
+                t["ours: seq grad"] / t["ours: seq filter"]
+            )
+    if not filt:  # no dynamax on that machine
+        return (
+            "gradient "
+            + ", ".join(f"{span(v)} the filter at {s}" for s, v in grad.items())
+            + " (dynamax not installed)"
+        )
+    return (
+        "vs dynamax: filter "
+        + ", ".join(f"{faster(v)} ({s})" for s, v in filt.items())
+        + "; gradient "
+        + ", ".join(f"{faster(v)} ({s})" for s, v in grad.items())
+    )
+
+
+EXTRAS_PROGRAMS = ("filter", "smoother", "forecast (h=100)", "posterior_sample (100)")
+
+
+def kalman_extras_tables(p):
+    rows = []
+    for size, T, run in kalman_rows(p):
+        for label in ("seq", "par"):
+            res = run.get(label, {})
+            if "status" in res:
+                rows.append([size, T, label, res["status"]] + [DASH] * 6)
+                continue
+            t = {k.split(": ", 1)[1]: v["median_ms"] for k, v in res.items()}
+            f = t["filter"]
+            rows.append(
+                [size, T, label, ms(f)]
+                + [ms(t[k]) for k in EXTRAS_PROGRAMS[1:]]
+                + [times(t[k] / f) for k in EXTRAS_PROGRAMS[1:]]
+            )
+    out = [
+        f"{p['dtype']}, one sequence, the default `KalmanFilter(n, p)` model, complete "
+        'data; "x filter": the time over the same backend\'s filter in the same run '
+        "(each backend in its own subprocess).",
+        "",
+    ]
+    out += table(
+        "n/p | T | backend | filter ms | smoother ms | forecast ms | "
+        "posterior_sample ms | smoother x filter | forecast x filter | "
+        "posterior_sample x filter",
+        rows,
+        left=3,
+    )
+    steps = p.get("stream_step", {})
+    if steps:
+        out += [
+            "Online filtering, one `update(predict(state), y)` called from Python:",
+            "",
+        ]
+        out += table(
+            "n/p | ms per step",
+            [[size, ms(r["median_ms"])] for size, r in steps.items()],
+        )
+    return out
+
+
+def kalman_extras_summary(p):
+    fc, ps = [], []
+    for _, _, run in kalman_rows(p):
+        res = run.get("seq", {})
+        if "seq: filter" in res:
+            f = res["seq: filter"]["median_ms"]
+            fc.append(res["seq: forecast (h=100)"]["median_ms"] / f)
+            ps.append(res["seq: posterior_sample (100)"]["median_ms"] / f)
+    return (
+        f"sequential: forecast of 100 steps {span(fc)} the filter; 100 posterior "
+        f"paths {span(ps)} the filter"
+    )
+
+
+def kalman_em_tables(p):
+    rows = []
+    for size, T, run in kalman_rows(p):
+        t = run["ms_per_iter"]
+        first = run["first_call_s"]
+        rel = run.get("trace_max_rel_diff")
+        rows.append(
+            [
+                size,
+                T,
+                ms(t["ours"]),
+                ms(t.get("dynamax")),
+                times(div(t.get("dynamax"), t["ours"])),
+                ms(t.get("ours missing")),
+                f"{first['ours']:.1f}",
+                f"{first['dynamax']:.1f}" if "dynamax" in first else DASH,
+                DASH if rel is None else f"{rel:.1e}",
+            ]
+        )
+    out = [
+        f"{p['dtype']}, one sequence, {p['iters']} iterations per call (ours "
+        "includes the E-step after the last); ms per iteration; compile: the first "
+        "call, compilation included; trace: the largest relative difference of the "
+        "log-likelihoods after each iteration, ours against dynamax's.",
+        "",
+    ]
+    return out + table(
+        "n/p | T | ours ms | dynamax ms | speed-up | ours, 10% missing, ms | "
+        "ours compile s | dynamax compile s | trace rel. diff.",
+        rows,
+    )
+
+
+def kalman_em_summary(p):
+    ratios = {}
+    for size, _, run in kalman_rows(p):
+        t = run["ms_per_iter"]
+        if "dynamax" in t:
+            ratios.setdefault(size, []).append(t["dynamax"] / t["ours"])
+    if not ratios:
+        return DASH + " (dynamax not installed)"
+    return "vs dynamax, per iteration: " + ", ".join(
+        f"{faster(v)} ({s})" for s, v in ratios.items()
+    )
+
+
+REPORTS = {
+    "kalman": (kalman_summary, kalman_tables),
+    "kalman_extras": (kalman_extras_summary, kalman_extras_tables),
+    "kalman_em": (kalman_em_summary, kalman_em_tables),
+}
 
 
 def main():
@@ -355,9 +543,15 @@ def main():
         default=results_path("kalman_em"),
         help="default: results/<machine>/kalman_em.json",
     )
+    parser.add_argument(
+        "--report", nargs="+", metavar="JSON", help="write the .md of stored results"
+    )
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--extras-child", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.report:
+        write_reports(REPORTS, args.report)
+        return
     if args.child:
         parallel_child(*map(int, args.child.split(",")))
         return
@@ -382,29 +576,12 @@ def main():
     sizes = [(4, 2)] if args.quick else [(4, 2), (16, 8)]
     lengths = [1000] if args.quick else [1000, 10_000, 100_000]
     payload = {"machine": info, "dtype": "float32", "runs": {}}
-    header = (
-        f"{'n/p':>5s} {'T':>7s} {'method':26s} {'ms':>9s} {'x fwd':>6s} "
-        f"{'x dynamax':>9s} {'compile s':>9s}"
-    )
-    print("\n" + header)
     for n, p in sizes:
         for T in lengths:
+            print(f"measuring: {n}/{p}, T={T}")
             progs, check = programs(n, p, T)
             repeats = max(1, args.repeats // (3 if T >= 100_000 else 1))
             res = measure_many(progs, repeats=repeats)
-            fwd = res["ours: seq filter"]["median_ms"]
-            for name, r in res.items():
-                who, what = name.split(": ")
-                anchor = res.get(f"dynamax: {what}", {}).get("median_ms")
-                xd = (
-                    f"{anchor / r['median_ms']:8.2f}x"
-                    if anchor and who == "ours"
-                    else ""
-                )
-                print(
-                    f"{n:>2d}/{p:<2d} {T:>7d} {name:26s} {r['median_ms']:9.2f} "
-                    f"{r['median_ms'] / fwd:6.2f} {xd:>9s} {r['first_call_s']:9.2f}"
-                )
             pars = {}
             for label, use_lax in (("par filter", 0), ("par (lax.assoc)", 1)):
                 par = {"status": "skipped: only T <= 10k"}
@@ -413,22 +590,10 @@ def main():
                         n, p, T, max(1, repeats // 2), args.parallel_timeout, use_lax
                     )
                 pars[label] = par
-                if "median_ms" in par:
-                    print(
-                        f"{n:>2d}/{p:<2d} {T:>7d} {'ours: ' + label:26s} "
-                        f"{par['median_ms']:9.2f} {par['median_ms'] / fwd:6.2f} "
-                        f"{'':>9s} {par['compile_s']:9.2f}   "
-                        f"(loglik vs seq: {par['loglik_rel_diff_vs_seq']:.1e} rel)"
-                    )
-                else:
-                    print(
-                        f"{n:>2d}/{p:<2d} {T:>7d} {'ours: ' + label:26s} "
-                        f"{par['status']}"
-                    )
             ll = ", ".join(f"{k} {v:.6g}" for k, v in check.items())
-            print(f"{'':14s} log-likelihoods: {ll}")
+            print(f"  log-likelihoods: {ll}")
             payload["runs"][f"{n}/{p}/{T}"] = {"seq": res, "par": pars, "loglik": check}
-    write_json(args.json or results_path("kalman"), payload)
+    save(args.json or results_path("kalman"), payload, REPORTS["kalman"])
 
 
 if __name__ == "__main__":

@@ -38,10 +38,16 @@ import eqx_seq
 sys.path.insert(0, os.path.dirname(__file__))
 from _timing import (  # noqa: E402
     allocator_line,
+    DASH,
     machine,
     measure_many,
+    ms,
     results_path,
-    write_json,
+    save,
+    span,
+    table,
+    times,
+    write_reports,
 )
 
 
@@ -168,19 +174,7 @@ def _stiff_row(model, ys, scan):
 
 
 def stiff_table(T=1000):
-    print(
-        f"\nstiff models, T = {T}: log-likelihoods, float32 vs float64 on the same "
-        "(float32) data;\n'floor': what rounding a float64 filter's means to "
-        "float32 alone moves it by;\n'finite': the float32 filter, smoother and "
-        "gradient; 'min eig': the smallest min/max\neigenvalue ratio of the float32 "
-        "filtered, predicted and smoothed covariances;\n'cov f32': the "
-        "covariance-form filter's float32 log-likelihood"
-    )
-    print(
-        f"{'case':50s} {'backend':5s} {'float32':>12s} {'float64':>12s} "
-        f"{'|diff|':>8s} {'floor':>8s} {'finite':>6s} {'min eig':>9s} "
-        f"{'cov f32':>12s}"
-    )
+    print(f"measuring: the stiff models, T = {T}")
     rows = {}
     for name, (model, ys) in stiff_cases(T).items():
         for label, scan in (
@@ -190,13 +184,6 @@ def stiff_table(T=1000):
             r = _stiff_row(model, ys, scan)
             r["|diff|"] = abs(r["float32"] - r["float64"])
             rows[f"{name} / {label}"] = r
-            print(
-                f"{name:50s} {label:5s} {r['float32']:12.4f} {r['float64']:12.4f} "
-                f"{r['|diff|']:8.4f} {r['float32 means floor']:8.4f} "
-                f"{'yes' if r['finite'] else 'NO':>6s} "
-                f"{r['min eig / max eig']:9.1e} {r['covariance form float32']:12.6g}",
-                flush=True,
-            )
     return rows
 
 
@@ -235,17 +222,10 @@ def sqrt_vs_covariance(sizes, lengths, repeats, timeout):
     `_square_root=False`), on the non-stiff models of the main table, float32,
     the two forms' programs interleaved in one `measure_many` run per size and
     length (the parallel filters in a subprocess with a timeout)."""
-    print(
-        "\nsquare-root vs covariance form, non-stiff models, float32 "
-        "(median ms; ratio = sqrt / cov)"
-    )
-    print(
-        f"{'n/p':>5s} {'T':>7s} {'program':18s} {'sqrt ms':>9s} {'cov ms':>9s} "
-        f"{'ratio':>6s} {'compile s sqrt/cov':>19s}"
-    )
     out = {}
     for n, p in sizes:
         for T in lengths:
+            print(f"measuring: square-root vs covariance form, {n}/{p}, T={T}")
             res = measure_many(_sqrt_vs_cov_programs(n, p, T, False), repeats=repeats)
             arg = f"{n},{p},{T},{max(1, repeats // 2)}"
             status = "missing"
@@ -264,18 +244,73 @@ def sqrt_vs_covariance(sizes, lengths, repeats, timeout):
                          "seq smoother", "par filter"):  # fmt: skip
                 a, b = res.get(f"sqrt: {what}"), res.get(f"cov: {what}")
                 if a is None:
-                    print(f"{n:>2d}/{p:<2d} {T:>7d} {what:18s} {status}")
                     out[f"{n}/{p}/{T}/{what}"] = {"status": status}
                     continue
                 ratio = a["median_ms"] / b["median_ms"]
-                print(
-                    f"{n:>2d}/{p:<2d} {T:>7d} {what:18s} {a['median_ms']:9.2f} "
-                    f"{b['median_ms']:9.2f} {ratio:6.2f} "
-                    f"{a['first_call_s']:9.1f}/{b['first_call_s']:<9.1f}",
-                    flush=True,
-                )
                 out[f"{n}/{p}/{T}/{what}"] = {"sqrt": a, "cov": b, "ratio": ratio}
     return out
+
+
+# --- the report: printed, and written beside the JSON ------------------------------
+def tables(p):
+    """The markdown of a results payload: the stiff table, the cost table."""
+    stiff = [
+        [
+            f"`{case}`",
+            f"{r['float32']:.4f}",
+            f"{r['float64']:.4f}",
+            f"{r['|diff|']:.4f}",
+            f"{r['float32 means floor']:.4f}",
+            "yes" if r["finite"] else "**no**",
+            f"{r['min eig / max eig']:.1e}",
+            f"{r['covariance form float32']:.6g}",
+        ]
+        for case, r in p["stiff"].items()
+    ]
+    out = [
+        "Stiff models, T = 1000: log-likelihoods in float32 and float64 on the same "
+        '(float32) data; "floor": what rounding a float64 filter\'s means to '
+        'float32 alone moves it by; "finite": the float32 filter, smoother and '
+        'gradient; "min eig": the smallest min/max eigenvalue ratio of the float32 '
+        'covariances; "cov f32": the covariance form\'s float32 log-likelihood.',
+        "",
+    ]
+    out += table(
+        "case / backend | float32 | float64 | abs diff | floor | finite | min eig | "
+        "cov f32",
+        stiff,
+    )
+    cost = []
+    for key, r in p["sqrt_vs_covariance"].items():
+        n, obs, T, what = key.split("/", 3)
+        if "ratio" not in r:
+            cost.append([f"{n}/{obs}", T, what, DASH, DASH, r.get("status", DASH)])
+            continue
+        a, b = r["sqrt"]["median_ms"], r["cov"]["median_ms"]
+        cost.append([f"{n}/{obs}", T, what, ms(a), ms(b), times(r["ratio"])])
+    out += [
+        "The square-root form against the covariance form (`_square_root=False`) on "
+        "the non-stiff models, float32, interleaved:",
+        "",
+    ]
+    out += table("n/p | T | program | sqrt ms | cov ms | sqrt / cov", cost)
+    return out
+
+
+def headline(p):
+    ok = [r["|diff|"] for c, r in p["stiff"].items() if "from prior" not in c]
+    ratios = {}
+    for key, r in p["sqrt_vs_covariance"].items():
+        if "ratio" in r:
+            ratios.setdefault(key.split("/", 3)[3], []).append(r["ratio"])
+    cost = ", ".join(f"{k} {span(v)}" for k, v in ratios.items())
+    return (
+        f"float32 within {max(ok):.4f} nats of float64 on the stiff models it can "
+        f"represent; square-root / covariance form: {cost}"
+    )
+
+
+REPORTS = {"kalman_sqrt": (headline, tables)}
 
 
 def main():
@@ -290,8 +325,14 @@ def main():
         default=results_path("kalman_sqrt"),
         help="default: results/<machine>/kalman_sqrt.json",
     )
+    parser.add_argument(
+        "--report", nargs="+", metavar="JSON", help="write the .md of stored results"
+    )
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.report:
+        write_reports(REPORTS, args.report)
+        return
     if args.child:
         sqrt_vs_cov_child(*map(int, args.child.split(",")))
         return
@@ -308,7 +349,7 @@ def main():
             sizes, lengths, args.repeats, args.parallel_timeout
         ),
     }
-    write_json(args.json, payload)
+    save(args.json, payload, REPORTS["kalman_sqrt"])
 
 
 if __name__ == "__main__":

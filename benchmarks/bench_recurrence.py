@@ -29,10 +29,16 @@ import eqx_seq
 sys.path.insert(0, os.path.dirname(__file__))
 from _timing import (  # noqa: E402
     allocator_line,
+    div,
+    faster,
     machine,
     measure_many,
+    ms,
     results_path,
-    write_json,
+    save,
+    table,
+    times,
+    write_reports,
 )
 
 
@@ -135,26 +141,103 @@ def run(T, N, batch, repeats, only=None):
     return measure_many(progs, repeats=repeats, min_time=0.05, slow=(SEED,))
 
 
-def ratio_table(res):
-    seed = res[SEED]["median_ms"]
-    plain_grad = res["plain assoc: grad loss wrt (a, b)"]["median_ms"]
-    lines = [
-        f"{'method':45s} {'ms':>9s} {'x fwd':>7s} {'speed-up':>16s} {'compile s':>9s}"
-    ]
+# --- the report: printed, and written beside the JSON ------------------------------
+PLAIN_GRAD = "plain assoc: grad loss wrt (a, b)"
+
+
+def headline_T(p):
+    return max(p["runs"], key=lambda T: (len(p["runs"][T]), int(T)))
+
+
+def tables(p):
+    """The markdown of a results payload: the headline setting, the sweep over T,
+    the unroll table."""
+    T = headline_T(p)
+    res = p["runs"][T]
+    seed, pg = res[SEED]["median_ms"], res[PLAIN_GRAD]["median_ms"]
+    rows = []
     for name, r in res.items():
-        backend = name.split(":")[0]
-        fwd = res.get(f"{backend}: forward", {}).get("median_ms")
-        xf = f"{r['median_ms'] / fwd:7.2f}" if fwd else f"{'':7s}"
+        fwd = res.get(f"{name.split(':')[0]}: forward", {}).get("median_ms")
         if "jacrev" in name or "jacobians" in name:
-            su = f"{seed / r['median_ms']:8.1f}x seed"
+            su = f"{times(seed / r['median_ms'])} seed"
         elif "grad" in name:
-            su = f"{plain_grad / r['median_ms']:6.1f}x p.assoc"
+            su = f"{times(pg / r['median_ms'])} plain assoc. grad"
         else:
             su = ""
-        lines.append(
-            f"{name:45s} {r['median_ms']:9.2f} {xf} {su:>16s} {r['first_call_s']:9.2f}"
+        rows.append(
+            [
+                f"`{name}`",
+                ms(r["median_ms"]),
+                times(div(r["median_ms"], fwd)),
+                su,
+                f"{r['first_call_s']:.2f}",
+            ]
         )
-    return "\n".join(lines)
+    out = [
+        f"jax issue 19498's setting: float32, T={T}, state {p['state']}, batch "
+        f"{p['batch']} by `jax.vmap`.",
+        "",
+    ]
+    out += table("method | ms | x fwd | speed-up | first call s", rows)
+    rows = []
+    for T, r in sorted(p["runs"].items(), key=lambda kv: int(kv[0])):
+        for b in BACKENDS:
+            f = r[f"{b}: forward"]["median_ms"]
+            g = r[f"{b}: grad loss wrt (a, b, h0)"]["median_ms"]
+            j = r[f"{b}: recurrence_jacobians .wrt_a"]["median_ms"]
+            jrev = r[f"{b}: jacrev h_T wrt a"]["median_ms"]
+            rows.append(
+                [
+                    T,
+                    b,
+                    ms(f),
+                    ms(g),
+                    times(g / f),
+                    ms(j),
+                    times(j / f),
+                    times(r[SEED]["median_ms"] / j),
+                    times(r[SEED]["median_ms"] / jrev),
+                    times(r[PLAIN_GRAD]["median_ms"] / g),
+                ]
+            )
+    out += ["Over T (ms; speed-ups against the seed and plain-assoc. autodiff):", ""]
+    out += table(
+        "T | backend | fwd | grad | grad x fwd | `.wrt_a` | `.wrt_a` x fwd | "
+        "`.wrt_a` vs seed | jacrev vs seed | grad vs plain assoc.",
+        rows,
+    )
+    if "unroll_T1024" in p:
+        base = p["unroll_T1024"]["1"]
+        rows = [
+            [
+                u,
+                ms(r["forward_ms"]),
+                times(r["forward_ms"] / base["forward_ms"]),
+                ms(r["grad_ms"]),
+                times(r["grad_ms"] / base["grad_ms"]),
+            ]
+            for u, r in p["unroll_T1024"].items()
+        ]
+        out += ["`SequentialScan(unroll=...)` at T=1024 (ms):", ""]
+        out += table("unroll | fwd | x unroll=1 | grad | x unroll=1", rows)
+    return out
+
+
+def headline(p):
+    res = p["runs"][headline_T(p)]
+    seed, pg = res[SEED]["median_ms"], res[PLAIN_GRAD]["median_ms"]
+    jac = [
+        seed / res[f"{b}: recurrence_jacobians .wrt_a"]["median_ms"] for b in BACKENDS
+    ]
+    grad = [pg / res[f"{b}: grad loss wrt (a, b, h0)"]["median_ms"] for b in BACKENDS]
+    return (
+        f"`recurrence_jacobians(...).wrt_a` vs the seed: sequential "
+        f"{faster(jac[:1])}, associative {faster(jac[1:])}; gradient vs plain-assoc. "
+        f"autodiff: sequential {faster(grad[:1])}, associative {faster(grad[1:])}"
+    )
+
+
+REPORTS = {"recurrence": (headline, tables)}
 
 
 def main():
@@ -172,7 +255,13 @@ def main():
         default=results_path("recurrence"),
         help="default: results/<machine>/recurrence.json",
     )
+    parser.add_argument(
+        "--report", nargs="+", metavar="JSON", help="write the .md of stored results"
+    )
     args = parser.parse_args()
+    if args.report:
+        write_reports(REPORTS, args.report)
+        return
     N, batch = 64, 16
     info = machine()
     print(
@@ -188,17 +277,11 @@ def main():
     }
 
     headline_T = 256 if args.quick else 1024
-    print(
-        f"\n== jax issue 19498 setting: float32, T={headline_T}, state {N}, batch {batch} (vmap) =="
-    )
+    print(f"measuring: jax issue 19498's setting, T={headline_T}")
     res = run(headline_T, N, batch, args.repeats)
-    print(ratio_table(res))
     payload["runs"][str(headline_T)] = res
 
     sweep = [64, 256] if args.quick else [64, 256, 1024, 4096]
-    print(
-        "\n== sweep over T (ms, medians; ratios to the seed / plain-assoc grad in the same run) =="
-    )
     keep = [
         "forward",
         "grad loss wrt (a, b, h0)",
@@ -207,26 +290,12 @@ def main():
         "recurrence_jacobians .wrt_a",
         "seed",
     ]
-    header = f"{'T':>6s} {'backend':12s} {'fwd':>8s} {'grad':>8s} {'grad/fwd':>8s} {'jac.wrt_a':>9s} {'jac/fwd':>7s} {'jacrev':>8s} {'seed':>9s} {'seed/jac':>8s} {'seed/jacrev':>11s} {'p.assoc grad/grad':>17s}"
-    rows = [header]
     for T in sweep:
-        r = res if T == headline_T else run(T, N, batch, args.repeats, only=keep)
-        payload["runs"][str(T)] = r
-        seed = r[SEED]["median_ms"]
-        pg = r["plain assoc: grad loss wrt (a, b)"]["median_ms"]
-        for name in BACKENDS:
-            f = r[f"{name}: forward"]["median_ms"]
-            g = r[f"{name}: grad loss wrt (a, b, h0)"]["median_ms"]
-            j = r[f"{name}: recurrence_jacobians .wrt_a"]["median_ms"]
-            jr_ = r[f"{name}: jacrev h_T wrt a"]["median_ms"]
-            rows.append(
-                f"{T:6d} {name:12s} {f:8.3f} {g:8.3f} {g / f:8.2f} {j:9.3f} {j / f:7.2f} {jr_:8.2f} {seed:9.1f} {seed / j:8.0f} {seed / jr_:11.1f} {pg / g:17.1f}"
-            )
-    print("\n".join(rows))
+        if T != headline_T:
+            print(f"measuring: the sweep, T={T}")
+            payload["runs"][str(T)] = run(T, N, batch, args.repeats, only=keep)
 
-    print(
-        "\n== SequentialScan unroll on this machine (T=1024; forward and grad, ms) =="
-    )
+    print("measuring: SequentialScan(unroll=...), T=1024")
     a = jr.uniform(jr.key(0), (batch, N), jnp.float32, 0.5, 0.999)
     b = jr.normal(jr.key(1), (batch, 1024, N), jnp.float32)
     progs = {}
@@ -254,18 +323,11 @@ def main():
             (a, b),
         )
     timed = measure_many(progs, repeats=args.repeats, min_time=0.05)
-    unroll = {
-        u: {k: timed[(u, k)]["median_ms"] for k in ("forward_ms", "grad_ms")}
+    payload["unroll_T1024"] = {
+        str(u): {k: timed[(u, k)]["median_ms"] for k in ("forward_ms", "grad_ms")}
         for u in [1, 2, 4, 8, 16]
     }
-    base = unroll[1]
-    for u, r in unroll.items():
-        print(
-            f"unroll={u:2d}  forward {r['forward_ms']:7.3f} ({r['forward_ms'] / base['forward_ms']:.2f}x unroll=1)"
-            f"  grad {r['grad_ms']:7.3f} ({r['grad_ms'] / base['grad_ms']:.2f}x)"
-        )
-    payload["unroll_T1024"] = {str(u): r for u, r in unroll.items()}
-    write_json(args.json, payload)
+    save(args.json, payload, REPORTS["recurrence"])
 
 
 if __name__ == "__main__":

@@ -35,10 +35,17 @@ import eqx_seq
 sys.path.insert(0, os.path.dirname(__file__))
 from _timing import (  # noqa: E402
     allocator_line,
+    div,
+    faster,
     machine,
     measure_many,
+    ms,
     results_path,
-    write_json,
+    save,
+    span,
+    table,
+    times,
+    write_reports,
 )
 
 
@@ -216,43 +223,80 @@ def run(T, H, P, batch, repeats, key):
     return res
 
 
-def table(T, res):
-    lines = [
-        f"{'method':38s} {'ms':>9s} {'x fwd':>6s} {'vs plain grad':>13s} "
-        f"{'peak MB':>8s} {'vs plain':>8s} {'compile s':>9s}"
-    ]
-    plain_grad = res["plain S5: grad"]
-    for name, r in res.items():
-        kind, what = name.split(": ")
-        fwd = res[f"{kind}: forward"]["median_ms"]
-        ratio = f"{r['median_ms'] / fwd:6.2f}"
-        vs = (
-            f"{plain_grad['median_ms'] / r['median_ms']:12.2f}x"
-            if what == "grad"
-            else " " * 13
-        )
-        anchor = res[f"plain S5: {what}"]["peak_mb"]
-        lines.append(
-            f"{name:38s} {r['median_ms']:9.2f} {ratio} {vs} {r['peak_mb']:8.1f} "
-            f"{r['peak_mb'] / anchor:8.2f} {r['compile_s']:9.2f}"
-        )
-    return "\n".join(lines)
+# --- the report: printed, and written beside the JSON ------------------------------
+S5_KINDS = ("plain S5", "sequential", "associative")
 
 
-def jacobian_table(res):
-    lines = [
-        f"{'method':52s} {'ms':>9s} {'x fwd':>6s} {'speed-up':>9s} {'compile s':>9s}"
+def tables(p):
+    """The markdown of a results payload: the layers' table, the Jacobians'."""
+    rows = []
+    for T, res in p["runs"].items():
+        plain = res["plain S5: grad"]
+        for k in S5_KINDS:
+            f, g = res[f"{k}: forward"], res[f"{k}: grad"]
+            rows.append(
+                [
+                    T,
+                    k,
+                    ms(f["median_ms"]),
+                    ms(g["median_ms"]),
+                    times(g["median_ms"] / f["median_ms"]),
+                    times(plain["median_ms"] / g["median_ms"]),
+                    f"{g['peak_mb']:.0f}",
+                    times(g["peak_mb"] / plain["peak_mb"]),
+                    f"{g['compile_s']:.2f}",
+                ]
+            )
+    out = [
+        f"H={p['H']} features, `state_size` {p['state_size']} (`conj_sym`), batch "
+        f"{p['batch']} by `jax.vmap`, float32; loss: mean square of the outputs. "
+        "Peak: XLA's memory analysis of the compiled gradient.",
+        "",
     ]
-    anchor = res["plain S5: jacrev h_T wrt (Λ, log_step, B)"]["median_ms"]
-    for name, r in res.items():
-        kind = name.split(": ")[0]
-        fwd = res.get(f"{kind}: forward (1 sequence)")
-        x = f"{r['median_ms'] / fwd['median_ms']:6.2f}" if fwd else " " * 6
-        lines.append(
-            f"{name:52s} {r['median_ms']:9.2f} {x} {anchor / r['median_ms']:8.1f}x "
-            f"{r['compile_s']:9.2f}"
-        )
-    return "\n".join(lines)
+    out += table(
+        "T | layer | fwd ms | grad ms | grad x fwd | grad vs plain | grad peak MB | "
+        "peak x plain | grad compile s",
+        rows,
+    )
+    rows = []
+    for T, res in p.get("jacobians", {}).items():
+        anchor = next(v for k, v in res.items() if k.startswith("plain S5"))
+        for name, r in res.items():
+            kind = name.split(": ")[0]
+            fwd = res.get(f"{kind}: forward (1 sequence)", {}).get("median_ms")
+            rows.append(
+                [
+                    T,
+                    f"`{name}`",
+                    ms(r["median_ms"]),
+                    times(div(r["median_ms"], fwd)),
+                    times(anchor["median_ms"] / r["median_ms"]),
+                    f"{r['compile_s']:.2f}",
+                ]
+            )
+    if rows:
+        out += ["Final-state parameter Jacobians, one sequence:", ""]
+        out += table("T | method | ms | x fwd | speed-up vs jacrev | compile s", rows)
+    return out
+
+
+def headline(p):
+    parts = []
+    for k in S5_KINDS[1:]:
+        su = [
+            r["plain S5: grad"]["median_ms"] / r[f"{k}: grad"]["median_ms"]
+            for r in p["runs"].values()
+        ]
+        mem = [
+            r[f"{k}: grad"]["peak_mb"] / r["plain S5: grad"]["peak_mb"]
+            for r in p["runs"].values()
+        ]
+        parts.append(f"{k} {faster(su)} at {span(mem)} the peak memory")
+    Ts = "/".join(p["runs"])
+    return f"gradient vs the plain S5 (T={Ts}): " + "; ".join(parts)
+
+
+REPORTS = {"s5": (headline, tables)}
 
 
 def main():
@@ -266,7 +310,13 @@ def main():
         default=results_path("s5"),
         help="default: results/<machine>/s5.json",
     )
+    parser.add_argument(
+        "--report", nargs="+", metavar="JSON", help="write the .md of stored results"
+    )
     args = parser.parse_args()
+    if args.report:
+        write_reports(REPORTS, args.report)
+        return
     H, P, batch = 128, 64, 8
     info = machine()
     print(
@@ -283,7 +333,6 @@ def main():
             f"batch {batch} (vmap) =="
         )
         res = run(T, H, P, batch, args.repeats, key)
-        print(table(T, res))
         payload["runs"][str(T)] = res
     jac_lengths = [256] if args.quick else [1024, 4096]
     payload["jacobians"] = {}
@@ -295,9 +344,8 @@ def main():
         progs, check = jacobian_programs(T, H, P, key)
         res = measure(progs, args.repeats)
         check()
-        print(jacobian_table(res))
         payload["jacobians"][str(T)] = res
-    write_json(args.json, payload)
+    save(args.json, payload, REPORTS["s5"])
 
 
 if __name__ == "__main__":

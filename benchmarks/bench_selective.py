@@ -39,10 +39,17 @@ import eqx_seq
 sys.path.insert(0, os.path.dirname(__file__))
 from _timing import (  # noqa: E402
     allocator_line,
+    div,
+    faster,
     machine,
     measure_many,
+    ms,
     results_path,
-    write_json,
+    save,
+    span,
+    table,
+    times,
+    write_reports,
 )
 from bench_s5 import compiled  # noqa: E402
 
@@ -212,28 +219,85 @@ def check(progs, res, anchor):
         )
 
 
-def table(res, anchor):
-    lines = [
-        f"{'method':34s} {'ms':>9s} {'x fwd':>6s} {'speed-up':>9s} "
-        f"{'peak MiB':>9s} {'vs plain':>8s} {'compile s':>9s}"
+# --- the report: printed, and written beside the JSON ------------------------------
+def _selective_rows(runs, anchor, kinds):
+    rows = []
+    for T, res in runs.items():
+        plain = res[f"{anchor}: grad"]
+        for k in kinds:
+            f, g = res[f"{k}: forward"], res[f"{k}: grad"]
+            rows.append(
+                [
+                    T,
+                    k,
+                    ms(f["median_ms"]),
+                    ms(g["median_ms"]),
+                    times(div(g["median_ms"], f["median_ms"])),
+                    times(div(plain["median_ms"], g["median_ms"])),
+                    f"{g['peak_mb']:.0f}",
+                    times(g["peak_mb"] / plain["peak_mb"]),
+                    f"{g['compile_s']:.2f}",
+                ]
+            )
+    return table(
+        "T | method | fwd ms | grad ms | grad x fwd | grad speed-up | grad peak MiB | "
+        "peak x plain | grad compile s",
+        rows,
+        left=2,
+    )
+
+
+SELECTIVE_KINDS = ("ours, sequential", "ours, associative")
+
+
+def tables(p):
+    """The markdown of a results payload: the S6 table, the RG-LRU table."""
+    s6, rg = p["s6"], p["rglru"]
+    out = [
+        f"Selective scan (S6): D={s6['D']} channels, N={s6['N']} states, batch "
+        f"{p['batch']} by `jax.vmap`, float32, gradient w.r.t. every input; anchor: "
+        "the plain S6 (states materialised, `lax.associative_scan`, autodiff). A dash: "
+        "not run, its compiled peak being above the script's limit. Peak: XLA's "
+        "memory analysis of the compiled gradient.",
+        "",
     ]
-    for name, r in res.items():
-        kind, what = name.split(": ")
-        base = res[f"{anchor}: {what}"]
-        fwd = res[f"{kind}: forward"]["median_ms"]
-        t = r["median_ms"]
-        ms = f"{t:9.1f}" if t is not None else f"{'not run':>9s}"
-        x_fwd = f"{t / fwd:6.2f}" if t is not None and fwd else " " * 6
-        speed = (
-            f"{base['median_ms'] / t:8.2f}x"
-            if t is not None and base["median_ms"] is not None
-            else " " * 9
+    out += _selective_rows(s6["runs"], "plain S6", ("plain S6",) + SELECTIVE_KINDS)
+    out += [
+        f"RG-LRU: width {rg['width']} in {rg['heads']} heads, batch {p['batch']}, "
+        "float32; anchor: the plain RG-LRU (`lax.scan`, autodiff).",
+        "",
+    ]
+    anchor = "plain RG-LRU (lax.scan)"
+    out += _selective_rows(rg["runs"], anchor, (anchor,) + SELECTIVE_KINDS)
+    return out
+
+
+def headline(p):
+    s6 = p["s6"]["runs"]
+    k = SELECTIVE_KINDS[0]
+    ran = [T for T, r in s6.items() if r["plain S6: grad"]["median_ms"] is not None]
+    su = [
+        div(s6[T]["plain S6: grad"]["median_ms"], s6[T][f"{k}: grad"]["median_ms"])
+        for T in ran
+    ]
+    mem = [
+        r["plain S6: grad"]["peak_mb"] / r[f"{k}: grad"]["peak_mb"] for r in s6.values()
+    ]
+    rg = [
+        div(
+            r["plain RG-LRU (lax.scan): grad"]["median_ms"],
+            r[f"{k}: grad"]["median_ms"],
         )
-        lines.append(
-            f"{name:34s} {ms} {x_fwd} {speed} {r['peak_mb']:9.1f} "
-            f"{r['peak_mb'] / base['peak_mb']:8.3f} {r['compile_s']:9.2f}"
-        )
-    return "\n".join(lines)
+        for r in p["rglru"]["runs"].values()
+    ]
+    return (
+        f"S6 gradient vs the plain S6: {faster(su)} (T={'/'.join(ran)}), "
+        f"{span(mem)} less peak memory (T={'/'.join(s6)}); RG-LRU gradient vs "
+        f"`lax.scan`: {faster(rg)}"
+    )
+
+
+REPORTS = {"selective": (headline, tables)}
 
 
 def main():
@@ -253,7 +317,13 @@ def main():
         default=results_path("selective"),
         help="default: results/<machine>/selective.json",
     )
+    parser.add_argument(
+        "--report", nargs="+", metavar="JSON", help="write the .md of stored results"
+    )
     args = parser.parse_args()
+    if args.report:
+        write_reports(REPORTS, args.report)
+        return
     batch, D, N, width, heads = 8, 256, 16, 256, 4
     info = machine()
     print(
@@ -276,7 +346,6 @@ def main():
         )
         progs = s6_programs(T, D, N, batch, key)
         res = measure(progs, args.repeats, args.max_anchor_gib)
-        print(table(res, "plain S6"))
         check(progs, res, "plain S6")
         payload["s6"]["runs"][str(T)] = res
     for T in lengths:
@@ -286,10 +355,9 @@ def main():
         )
         progs = rglru_programs(T, width, heads, batch, key)
         res = measure(progs, args.repeats, args.max_anchor_gib)
-        print(table(res, "plain RG-LRU (lax.scan)"))
         check(progs, res, "plain RG-LRU (lax.scan)")
         payload["rglru"]["runs"][str(T)] = res
-    write_json(args.json, payload)
+    save(args.json, payload, REPORTS["selective"])
 
 
 if __name__ == "__main__":

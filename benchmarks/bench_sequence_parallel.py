@@ -62,10 +62,16 @@ import eqx_seq  # noqa: E402
 sys.path.insert(0, os.path.dirname(__file__))
 from _timing import (  # noqa: E402
     allocator_line,
+    faster,
     machine,
     measure_many,
+    ms,
     results_path,
-    write_json,
+    save,
+    span,
+    table,
+    times,
+    write_reports,
 )
 
 
@@ -195,20 +201,12 @@ def stream_ceiling(num_devices: int, repeats: int) -> dict:
     gb = 2 * x.nbytes / 1e9
     rates = {k: gb / (r["median_ms"] / 1e3) for k, r in res.items()}
     speed_up = res["one device"]["median_ms"] / res["sharded"]["median_ms"]
-    print(
-        f"\nmemory stream (1 GB moved): one device {rates['one device']:.1f} GB/s, "
-        f"{num_devices} devices {rates['sharded']:.1f} GB/s: ceiling {speed_up:.2f}x"
-    )
     return {"runs": res, "gb_per_s": rates, "speed_up": speed_up}
 
 
 def compare(title: str, progs: dict, repeats: int) -> dict:
+    print(f"measuring: {title}")
     res = measure_many(progs, repeats=repeats)
-    print(f"\n{title}")
-    print(
-        f"{'program':22s} {'one dev ms':>10s} {'sharded ms':>10s} {'speed-up':>8s} "
-        f"{'MiB/dev one':>11s} {'MiB/dev shd':>11s} {'compile s':>10s}"
-    )
     out = {}
     for what in ("forward", "grad"):
         one, shd = res[f"one device: {what}"], res[f"sharded: {what}"]
@@ -217,12 +215,6 @@ def compare(title: str, progs: dict, repeats: int) -> dict:
             for key in (f"one device: {what}", f"sharded: {what}")
         ]
         speed_up = one["median_ms"] / shd["median_ms"]
-        print(
-            f"{what:22s} {one['median_ms']:10.1f} {shd['median_ms']:10.1f} "
-            f"{speed_up:7.2f}x {mib[0]:11.1f} {mib[1]:11.1f} "
-            f"{one['first_call_s']:4.1f}/{shd['first_call_s']:<5.1f}",
-            flush=True,
-        )
         out[what] = {
             "one device": one,
             "sharded": shd,
@@ -236,18 +228,11 @@ def scaling(T: int, S: int, repeats: int) -> dict:
     """The sharded recurrence on 1, 2, 4, ... devices (forced CPU devices), with
     each exchange: the forward pass, the gradient, and the exchange alone (the
     recurrence with one step per device, so that the blocks cost next to nothing)."""
-    print(
-        f"\nexchange scaling: linear_recurrence, T = {T}, state {S}, float32 "
-        "(forced CPU devices sharing the cores)"
-    )
-    print(
-        f"{'devices':>7s} {'exchange':>10s} {'forward ms':>10s} {'grad ms':>9s} "
-        f"{'exchange ms':>11s} {'received B/dev':>14s} {'grad':>6s}"
-    )
     out = {}
     n = 1
     while n <= jax.device_count():
         for exchange in ("all_gather", "ppermute"):
+            print(f"measuring: {n} devices, {exchange}")
             progs = recurrence_programs(T, S, n, exchange)
             progs = {k: v for k, v in progs.items() if k.startswith("sharded")}
             alone = recurrence_programs(n, S, n, exchange)["sharded: forward"]
@@ -264,11 +249,6 @@ def scaling(T: int, S: int, repeats: int) -> dict:
             f, g, e = (
                 res[k] for k in ("sharded: forward", "sharded: grad", "exchange alone")
             )
-            print(
-                f"{n:7d} {exchange:>10s} {f['median_ms']:10.1f} {g['median_ms']:9.1f} "
-                f"{e['median_ms']:11.3f} {fwd_bytes:14d} {grad_bytes:6d}",
-                flush=True,
-            )
             out[f"{n} {exchange}"] = {
                 "forward": f,
                 "grad": g,
@@ -278,6 +258,130 @@ def scaling(T: int, S: int, repeats: int) -> dict:
             }
         n *= 2
     return out
+
+
+# --- the reports: printed, and written beside the JSON -----------------------------
+# the workloads' labels; a payload's "T" (absent from runs before it was recorded:
+# the defaults) gives their lengths
+_SP_WORK = {
+    "recurrence": ("`linear_recurrence`, T = {}, state 64", 10**6),
+    "s5": ("`S5`, T = {}", 200_000),
+    "mamba": ("`Mamba` (16 features), T = {}", 100_000),
+    "kalman": ("Kalman log-likelihood, state 4, T = {}", 10**6),
+    "kalman_missing": ("the same, 1 entry in 97 missing", None),
+}
+
+
+def _power(T: int) -> str:
+    """`10^6`, `2·10^5`, or the digits."""
+    digits = str(T).rstrip("0")
+    zeros = len(str(T)) - len(digits)
+    if len(digits) > 1 or zeros < 3:
+        return str(T)
+    return f"10^{zeros}" if digits == "1" else f"{digits}·10^{zeros}"
+
+
+def tables(p):
+    """The markdown of a 1-against-2-devices payload: the ceiling, the workloads."""
+    rows = []
+    for work, (label, T) in _SP_WORK.items():
+        label = label.format(_power(p.get("T", {}).get(work, T) or 0))
+        for what, r in p.get(work, {}).items():
+            mib = r["mib_per_device"]
+            rows.append(
+                [
+                    label,
+                    what,
+                    ms(r["one device"]["median_ms"]),
+                    ms(r["sharded"]["median_ms"]),
+                    times(r["speed_up"]),
+                    f"{mib['one device']:.0f}",
+                    f"{mib['sharded']:.0f}",
+                    times(mib["sharded"] / mib["one device"]),
+                ]
+            )
+    out = [
+        "float32, one sequence: one device against the same sequence split along "
+        "time over two CPU devices (`ShardedScan` in `shard_map`, inputs already "
+        "split); memory per device from XLA's analysis of the compiled program "
+        "(arguments, outputs, temporaries).",
+        "",
+    ]
+    if "stream" in p:
+        rate = p["stream"]["gb_per_s"]
+        out += [
+            "The ceiling, an elementwise pass over 512 MiB (read and written): "
+            f"{rate['one device']:.1f} GB/s on one device, {rate['sharded']:.1f} GB/s "
+            f"on two, a speed-up of {times(p['stream']['speed_up'])}.",
+            "",
+        ]
+    return out + table(
+        "workload | program | one device ms | two devices ms | speed-up | "
+        "MiB/device, one | MiB/device, two | memory, two / one",
+        rows,
+        left=2,
+    )
+
+
+def headline(p):
+    runs = [r for work in _SP_WORK for r in p.get(work, {}).values()]
+    if not runs:
+        raise KeyError("no workloads")
+    mem = [
+        r["mib_per_device"]["sharded"] / r["mib_per_device"]["one device"] for r in runs
+    ]
+    return (
+        f"two CPU devices against one: {faster([r['speed_up'] for r in runs])}, "
+        f"{span(mem)} the memory per device"
+    )
+
+
+def scaling_tables(p):
+    """The markdown of a `--devices` payload: the exchanges."""
+    rows = [
+        [
+            *key.split(" "),
+            ms(r["forward"]["median_ms"]),
+            ms(r["grad"]["median_ms"]),
+            f"{r['exchange']['median_ms']:.3f}",
+            r["bytes_forward"],
+        ]
+        for key, r in p["scaling"].items()
+    ]
+    T, S = p.get("T", 10**6), p.get("state", 64)
+    out = [
+        f"`linear_recurrence` with `ShardedScan`, T = {_power(T)}, state {S}, float32, on "
+        "forced CPU devices that share the machine's two cores (how the exchange "
+        "scales, not a speed-up), with each `exchange`; 'exchange ms': the "
+        "recurrence with one step per device (the exchange alone); bytes: what one "
+        "device receives per exchange in the forward pass, from the collectives' "
+        "shapes.",
+        "",
+    ]
+    return out + table(
+        "devices | exchange | forward ms | gradient ms | exchange ms | "
+        "received bytes/device",
+        rows,
+        left=2,
+    )
+
+
+def scaling_headline(p):
+    runs = p["scaling"]
+    last = max({int(k.split(" ")[0]) for k in runs})
+    one = runs["1 all_gather"]["forward"]["median_ms"]
+    return (
+        f"forward {ms(one)} ms on 1 device, on {last}: "
+        f"{ms(runs[f'{last} all_gather']['forward']['median_ms'])} ms (all_gather), "
+        f"{ms(runs[f'{last} ppermute']['forward']['median_ms'])} ms (ppermute)"
+    )
+
+
+SCALING = "sequence_parallel_scaling"
+REPORTS = {
+    "sequence_parallel": (headline, tables),
+    SCALING: (scaling_headline, scaling_tables),
+}
 
 
 def main():
@@ -293,7 +397,13 @@ def main():
         help="short sequences (with --devices 8, and one repeat), to check that "
         "it runs (JSON only to --json)",
     )
+    parser.add_argument(
+        "--report", nargs="+", metavar="JSON", help="write the .md of stored results"
+    )
     args = parser.parse_args()
+    if args.report:
+        write_reports(REPORTS, args.report)
+        return
     info = machine()
     print(
         f"machine: {info['cpu']} ({info['cores']} cores), jax {info['jax']}, "
@@ -301,17 +411,17 @@ def main():
     )
     print(allocator_line(info))
     if args.devices != 2:
-        if args.quick:  # recorded results are not overwritten
-            payload = {"machine": info, "scaling": scaling(4096, 8, 1)}
-            if args.json:
-                write_json(args.json, payload)
-            return
-        payload = {"machine": info, "scaling": scaling(10**6, 64, args.repeats)}
-        write_json(args.json or results_path("sequence_parallel_scaling"), payload)
+        # --quick: short, one repeat; recorded results are not overwritten
+        T, S, repeats = (4096, 8, 1) if args.quick else (10**6, 64, args.repeats)
+        payload = {"machine": info, "T": T, "state": S}
+        payload["scaling"] = scaling(T, S, repeats)
+        path = args.json or (None if args.quick else results_path(SCALING))
+        save(path, payload, REPORTS[SCALING])
         return
     # --quick: short sequences, to check that the script runs
     size = (lambda n: max(n // 1000, 512)) if args.quick else (lambda n: n)
     payload = {"machine": info, "stream": stream_ceiling(2, args.repeats)}
+    payload["T"] = {k: size(T) for k, (_, T) in _SP_WORK.items() if T}
     workloads = {
         "recurrence": (
             f"linear_recurrence, T = {size(10**6)}, state 64",
@@ -337,9 +447,9 @@ def main():
     }
     for key, (title, progs) in workloads.items():
         payload[key] = compare(f"{title}, float32: 1 vs 2 devices", progs, args.repeats)
-    if args.quick and not args.json:  # recorded results are not overwritten
-        return
-    write_json(args.json or results_path("sequence_parallel"), payload)
+    # recorded results are not overwritten by --quick
+    path = args.json or (None if args.quick else results_path("sequence_parallel"))
+    save(path, payload, REPORTS["sequence_parallel"])
 
 
 if __name__ == "__main__":

@@ -48,10 +48,16 @@ import eqx_seq  # noqa: E402
 sys.path.insert(0, os.path.dirname(__file__))
 from _timing import (  # noqa: E402
     allocator_line,
+    div,
+    faster,
     machine,
     measure_many,
+    ms,
     results_path,
-    write_json,
+    save,
+    table,
+    times,
+    write_reports,
 )
 
 
@@ -397,46 +403,75 @@ def accuracy(batch=500, n=100):
             x = np.asarray(eqx_seq.tridiagonal_solve(*lo32, axis=-1, **kw), np.float64)
             err = np.abs(x - ref).max(-1) / np.abs(ref).max(-1)
             out[case][name] = (float(np.median(err)), float(err.max()))
-    print(
-        f"\n== accuracy: float32 solves vs float64 gtsv, {batch} systems of size {n}; "
-        "relative error per system, median / worst =="
-    )
-    print(f"{'matrices':32s}" + "".join(f"{m:>26s}" for m in methods))
-    for case, row in out.items():
-        cells = "".join(f"{f'{m:.1e} / {w:.1e}':>26s}" for m, w in row.values())
-        print(f"{case:32s}{cells}")
     return out
 
 
-def print_tables(dtype_name, batch, n, res):
-    print(
-        f"\n== forward, {dtype_name}, {batch} systems of size {n}; ms (median), "
-        f"ratio to {ANCHOR} =="
-    )
-    print(
-        f"{'method':48s} {'layout':11s} {'ms':>9s} {'x gtsv':>7s} {'x Numba':>7s} "
-        f"{'% floor':>8s} {'compile s':>9s} {'rel. err':>9s}"
-    )
-    for r in res["forward"]:
-        print(
-            f"{r['name']:48s} {r['layout']:11s} {r['ms']:9.1f} {r['ratio']:7.2f} "
-            f"{r['per_numba']:7.2f} {r['floor_pct']:7.1f}% {r['first_s']:9.2f} "
-            f"{r['relerr']:9.1e}"
+# --- the report: printed, and written beside the JSON ------------------------------
+THOMAS_TM = "eqx_seq Thomas (SequentialScan), axis=0"
+
+
+def tables(p):
+    """The markdown of a results payload: forward and gradient per dtype, accuracy."""
+    out = [
+        f"{p['batch']} systems of size {p['n']}; anchor: "
+        "`jax.lax.linalg.tridiagonal_solve` (LAPACK gtsv) on its last-axis layout. "
+        '"vs Numba": against Numba\'s SIMD kernel on time-major data (all cores); '
+        '"% floor": the time of `out[:] = a + b + c + d` over the same arrays over '
+        "the row's.",
+        "",
+    ]
+    for dtype, res in p["runs"].items():
+        fwd = {r["name"]: r for r in res["forward"]}
+        simd = fwd.get(NUMBA_SIMD, {}).get("ms")
+        rows = [
+            [
+                f"`{r['name']}`",
+                r["layout"],
+                ms(r["ms"]),
+                times(1 / r["ratio"]),
+                times(div(simd, r["ms"])),
+                f"{r['floor_pct']:.1f}%",
+                f"{r['relerr']:.1e}",
+            ]
+            for r in res["forward"]
+        ]
+        out += [f"Forward, {dtype}:", ""]
+        out += table(
+            "method | layout | ms | vs gtsv | vs Numba | % floor | rel. err", rows
         )
-    print(f"(x Numba: ratio to '{NUMBA_SIMD}', nan without Numba)")
-    print(
-        f"(floor: out[:] = a + b + c + d over the same arrays, best of 20 = "
-        f"{res['floor_ms']:.1f} ms)"
+        rows = [
+            [f"`{r['name']}`", ms(r["ms"]), times(r["per_fwd"]), times(1 / r["ratio"])]
+            for r in res["gradient"]
+        ]
+        out += [f"Gradient of `sum(x**2)` w.r.t. all four inputs, {dtype}:", ""]
+        out += table("method | ms | x own fwd | vs grad through gtsv", rows)
+    if "accuracy" in p:
+        methods = list(next(iter(p["accuracy"].values())))
+        rows = [
+            [case] + [f"{m:.1e} / {w:.1e}" for m, w in row.values()]
+            for case, row in p["accuracy"].items()
+        ]
+        out += [
+            "Accuracy: float32 solves against float64 gtsv, relative error per "
+            "system, median / worst:",
+            "",
+        ]
+        out += table(" | ".join(["matrices"] + methods), rows)
+    return out
+
+
+def headline(p):
+    parts = []
+    for dtype, res in p["runs"].items():
+        fwd = {r["name"]: r for r in res["forward"]}
+        if THOMAS_TM in fwd:
+            parts.append(f"{dtype} {faster([1 / fwd[THOMAS_TM]['ratio']])}")
+    return "forward (Thomas, time-major, one device) vs `lax.linalg` (gtsv): " + (
+        ", ".join(parts)
     )
-    print(f"\n== gradient of sum(x**2) w.r.t. all four inputs, {dtype_name} ==")
-    print(
-        f"{'method':48s} {'ms':>9s} {'x own fwd':>9s} {'x lax grad':>10s} {'compile s':>9s}"
-    )
-    for r in res["gradient"]:
-        print(
-            f"{r['name']:48s} {r['ms']:9.1f} {r['per_fwd']:9.2f} {r['ratio']:10.2f} "
-            f"{r['first_s']:9.2f}"
-        )
+
+
+REPORTS = {"tridiagonal": (headline, tables)}
 
 
 def main():
@@ -451,7 +486,13 @@ def main():
         default=results_path("tridiagonal"),
         help="default: results/<machine>/tridiagonal.json",
     )
+    parser.add_argument(
+        "--report", nargs="+", metavar="JSON", help="write the .md of stored results"
+    )
     args = parser.parse_args()
+    if args.report:
+        write_reports(REPORTS, args.report)
+        return
     batch, n = (10_000, 100) if args.quick else (100_000, 100)
     info = machine()
     print(
@@ -461,11 +502,11 @@ def main():
     print(allocator_line(info))
     payload = {"machine": info, "batch": batch, "n": n, "runs": {}}
     for dtype, name in [(np.float32, "float32"), (np.float64, "float64")]:
+        print(f"measuring: {name}, {batch} systems of size {n}")
         res = run_dtype(dtype, batch, n, args.repeats, with_pcr=not args.no_pcr)
-        print_tables(name, batch, n, res)
         payload["runs"][name] = res
     payload["accuracy"] = accuracy()
-    write_json(args.json, payload)
+    save(args.json, payload, REPORTS["tridiagonal"])
 
 
 if __name__ == "__main__":

@@ -1,7 +1,11 @@
-"""The benchmark scripts run end to end at their `--quick` settings (`-m slow`)."""
+"""The benchmark scripts run end to end at their `--quick` settings (`-m slow`), and
+write their tables of stored results without measuring (`--report`)."""
+
+import os
+import shutil
 
 import pytest
-from helpers import run_script
+from helpers import ROOT, run_script
 
 
 # script -> lines its output must contain
@@ -42,3 +46,15 @@ def test_bench_quick(name, tmp_path):
     for line in EXPECTED[name]:
         assert line in out
     assert (tmp_path / f"{name}.json").exists()
+    # the tables it printed, beside the JSON
+    assert (tmp_path / f"{name}.md").read_text() in out
+
+
+def test_report_of_stored_results(tmp_path):
+    stored = os.path.join(ROOT, "benchmarks", "results", "h100", "s5")
+    shutil.copy(stored + ".json", tmp_path)
+    run_script("benchmarks/bench_s5.py", "--report", str(tmp_path / "s5.json"))
+    with open(stored + ".md") as f:
+        ours = f.read()
+    # the same tables; only the path in the first line differs
+    assert (tmp_path / "s5.md").read_text().split("\n", 1)[1] == ours.split("\n", 1)[1]
