@@ -137,7 +137,7 @@ def test_bad_input(getkey):
         jnp.ones((2, 5, 4)),
         jnp.ones((0, 4)),
     ]:
-        with pytest.raises(ValueError, match=r"shape \(T, 4\)"):
+        with pytest.raises(ValueError, match=r"shape \(T, channels\) = \(T, 4\)"):
             layer(bad)
     with pytest.raises(ValueError, match="floating"):
         layer(jnp.ones((5, 4), jnp.int32))
