@@ -168,10 +168,10 @@ def case(name, seed=0):
 def settled(kf, ys, us=None):
     """Whether the steady-state path is taken (white-box: the filter's own test)."""
     from eqx_seq._kalman._fisher import _steady_log_likelihood
-    from eqx_seq._kalman._problem import prepare
+    from eqx_seq._kalman._model import prepare
 
     def run(kf, ys, us):
-        return _steady_log_likelihood(prepare(kf, ys, us, "complete"))[1]
+        return _steady_log_likelihood(prepare(kf._model(), ys, us, "complete"))[1]
 
     return bool(eqx.filter_jit(run)(kf, ys, us))
 

@@ -381,3 +381,47 @@ def test_user_backends_missing_what_the_filter_needs(getkey):
             eqx_seq.KalmanFilter.from_matrices(
                 I3, np.ones((2, 3)), I3, I2, np.zeros(3), I3, scan=scan
             )
+
+
+# The files of `eqx_seq/_kalman/`, top down: each imports only files below it.
+KALMAN_LAYERS = [
+    ["_layer"],
+    ["_em", "_fisher", "_predictive", "_sharded"],
+    ["_dispatch"],
+    ["_smoother"],
+    ["_parallel"],
+    ["_filter"],
+    ["_model"],
+    ["_linalg"],
+]
+
+
+def test_kalman_files_import_downwards():
+    """The structure of `eqx_seq/_kalman/` (white-box, parsed, nothing run): only
+    `_layer` (and the package's `__init__`) knows `KalmanFilter`, nothing imports
+    under `TYPE_CHECKING`, and every file imports only files below it."""
+    import ast
+    import pathlib
+
+    root = pathlib.Path(eqx_seq.__file__).parent / "_kalman"
+    rank = {name: i for i, names in enumerate(KALMAN_LAYERS) for name in names}
+    files = sorted(root.glob("*.py"))
+    assert {f.stem for f in files} == set(rank) | {"__init__"}
+    for f in files:
+        source = f.read_text()
+        assert "TYPE_CHECKING" not in source, f.name
+        targets = set()
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, ast.ImportFrom) and node.level == 1:
+                if node.module is None:  # `from . import _x`
+                    targets |= {a.name for a in node.names}
+                else:
+                    targets.add(node.module)
+                    names = {a.name for a in node.names}
+                    if f.stem not in ("__init__", "_layer"):
+                        assert "KalmanFilter" not in names, f.name
+        if f.stem in ("__init__", "_layer"):
+            continue
+        assert "_layer" not in targets, f.name
+        below = [t for t in targets if rank[t] <= rank[f.stem]]
+        assert not below, (f.name, below)

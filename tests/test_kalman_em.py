@@ -333,8 +333,8 @@ def test_stationary_prior_with_F_and_Q_held():
 def test_steady_state_e_step_matches_hand_formulas(prior_at):
     """Complete data, a time-invariant model, long sequences: the smoother's sums
     from the steady-state filter (Lyapunov sums), two sequences with controls."""
-    from eqx_seq._kalman._problem import prepare
-    from eqx_seq._kalman._smooth_steady import smoothed_sums_steady
+    from eqx_seq._kalman._em import smoothed_sums_steady
+    from eqx_seq._kalman._model import prepare
 
     rng = np.random.default_rng(15)
     start = random_model(rng, 3, 2, c=1)
@@ -345,7 +345,7 @@ def test_steady_state_e_step_matches_hand_formulas(prior_at):
     kf = build(start, eqx_seq.SequentialScan(), prior_at=prior_at)
     assert settled(kf, jnp.asarray(ys[0]), jnp.asarray(us[0]))
     run = eqx.filter_jit(
-        lambda kf, y, u: smoothed_sums_steady(prepare(kf, y, u, "complete"))[1]
+        lambda kf, y, u: smoothed_sums_steady(prepare(kf._model(), y, u, "complete"))[1]
     )
     assert run(kf, jnp.asarray(ys[0]), jnp.asarray(us[0]))  # its result is used
     fitted, lls = kf.fit_em(ys, us=us, num_iters=1)
@@ -514,7 +514,7 @@ def test_duplicate_sensors_keep_R_positive_definite():
         fitted, lls = kf.fit_em(data, num_iters=25)
         assert np.all(np.isfinite(lls))
         assert all(np.all(np.isfinite(v)) for v in _params(fitted).values())
-        L = np.asarray(eqx_seq._kalman._linalg._factor(fitted.R_factor))
+        L = np.asarray(eqx_seq._kalman._linalg.factor(fitted.R_factor))
         # the floor: L_22^2 = 256 eps (L_21^2 + L_22^2), by the definition
         np.testing.assert_allclose(L[1, 1] ** 2 / (L[1] @ L[1]), 256 * eps, rtol=1e-6)
         assert L[0, 0] > 0.1

@@ -25,11 +25,11 @@ import eqx_seq
 
 def test_vmap_branches_once_for_the_batch():
     """Under `vmap` the complete-data branch is taken for the whole batch or not at
-    all (`_all_observed` answers for the batch, so the `lax.cond` stays a branch
+    all (`all_observed` answers for the batch, so the `lax.cond` stays a branch
     instead of a `select` that runs both). A batch with one missing entry runs the
     exact filter for all its sequences: the same numbers, to round-off, as each
     sequence alone (where a complete one settles into the steady state)."""
-    from eqx_seq._kalman._problem import _all_observed
+    from eqx_seq._kalman._model import all_observed
 
     rng = np.random.default_rng(14)
     model = random_model(rng, 3, 2)
@@ -39,12 +39,12 @@ def test_vmap_branches_once_for_the_batch():
     kf = build(model, eqx_seq.SequentialScan())
     assert settled(kf, jnp.asarray(ys))
     obs = ~np.isnan(np.stack([ys, gappy]))
-    np.testing.assert_array_equal(jax.vmap(_all_observed)(obs), [False] * 2)
+    np.testing.assert_array_equal(jax.vmap(all_observed)(obs), [False] * 2)
     np.testing.assert_array_equal(
-        jax.vmap(jax.vmap(_all_observed))(np.stack([obs, obs[:1].repeat(2, 0)])),
+        jax.vmap(jax.vmap(all_observed))(np.stack([obs, obs[:1].repeat(2, 0)])),
         [[False] * 2] * 2,
     )
-    assert bool(jax.vmap(_all_observed)(obs[:1].repeat(3, 0))[0])
+    assert bool(jax.vmap(all_observed)(obs[:1].repeat(3, 0))[0])
     params, static = eqx.partition(kf, eqx.is_inexact_array)
 
     def ll(params, y):

@@ -345,8 +345,8 @@ def test_em_steady_state_sums_float32():
     the stiff tracker in float32 against the NumPy square-root smoother (float64):
     the head's RTS steps in covariance form, `P_f + J (P_{t+1} - P_p) J^T`, put
     the first smoothed covariance 6000 of its variances off (and their sum 95)."""
-    from eqx_seq._kalman._problem import prepare
-    from eqx_seq._kalman._smooth_steady import smoothed_sums_steady
+    from eqx_seq._kalman._em import smoothed_sums_steady
+    from eqx_seq._kalman._model import prepare
     from eqx_seq._misc import full_precision
 
     model, ys = tracker(T=200)
@@ -356,7 +356,9 @@ def test_em_steady_state_sums_float32():
     # at the precision of fit_em's products (not TF32 on GPUs)
     run = eqx.filter_jit(
         full_precision(
-            lambda kf, y: smoothed_sums_steady(prepare(kf, y, None, "complete"))
+            lambda kf, y: smoothed_sums_steady(
+                prepare(kf._model(), y, None, "complete")
+            )
         )
     )
     sums, ok = run(kf, jnp.asarray(ys, jnp.float32))
@@ -378,7 +380,6 @@ def test_em_smoothed_x0_float32():
     vague prior (`P0 = 1e6 I`), which put the smoothed `P0` 0.3% of its variances
     off (and the EM trace 0.06 nats on a GPU)."""
     from eqx_seq._kalman._em import _smoothed_x0
-    from eqx_seq._kalman._problem import _model
     from eqx_seq._misc import full_precision
 
     model, ys = tracker(T=200)
@@ -390,7 +391,7 @@ def test_em_smoothed_x0_float32():
     m_ref = m0 + J @ (sm[0] - F @ m0)
     kf = build(model, eqx_seq.SequentialScan(), dtype=jnp.float32)
     run = eqx.filter_jit(
-        full_precision(lambda kf, m1, P1: _smoothed_x0(_model(kf), m1, P1, None))
+        full_precision(lambda kf, m1, P1: _smoothed_x0(kf._model(), m1, P1, None))
     )
     m, P, C = _np(
         run(kf, jnp.asarray(sm[0], jnp.float32), jnp.asarray(sP[0], jnp.float32))
@@ -458,7 +459,7 @@ def test_square_root_update_matches_the_textbook_update():
     """`sqrt_update` (one triangularisation: predict and every whitened
     observation, a missing one included) against the dense covariance-form
     predict-and-update, float64."""
-    from eqx_seq._kalman._sqrt import sqrt_update, whitened_log_density
+    from eqx_seq._kalman._linalg import sqrt_update, whitened_log_density
 
     rng = np.random.default_rng(3)
     n, p = 4, 3

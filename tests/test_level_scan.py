@@ -6,8 +6,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from eqx_seq._kalman._model import prepare
 from eqx_seq._kalman._parallel import _combine_filter, _filter_elements
-from eqx_seq._kalman._problem import prepare
 from eqx_seq._scan import level_scan
 
 
@@ -98,7 +98,7 @@ def test_kalman_elements_match_lax():
 
     @eqx.filter_jit
     def both(kf, ys):
-        elems = _filter_elements(prepare(kf, ys, None, "missing"))
+        elems = _filter_elements(prepare(kf._model(), ys, None, "missing"))
         combine = jax.vmap(_combine_filter)
         # K=2: all three phases (blocks, doubling over 3 totals, absorption)
         return (

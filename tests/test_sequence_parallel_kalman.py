@@ -83,7 +83,9 @@ def _split(kf, ys, us=None, outputs=None, out_specs=None, devices=2, chunk=None)
         ll = on_blocks(lambda kf, ys, us: kf.log_likelihood(ys, us=us), P())
     else:
         ll = on_blocks(
-            lambda kf, ys, us: log_likelihood_sharded(kf, ys, us, kf.scan, chunk=chunk),
+            lambda kf, ys, us: log_likelihood_sharded(
+                kf._model(), ys, us, kf.scan, chunk=chunk
+            ),
             P(),
         )
 

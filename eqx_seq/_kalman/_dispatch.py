@@ -1,9 +1,9 @@
-"""From a `KalmanFilter` and observations to the algorithm that runs: the backend's
+"""From a model and observations to the algorithm that runs: the backend's
 sequential or parallel filter and smoother, on the observations whitened one way or
 the other."""
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, TypeVar
+from typing import TypeVar
 
 import jax
 import jax.lax as lax
@@ -12,18 +12,26 @@ from jaxtyping import Array
 
 from .._misc import full_precision
 from .._scan import AbstractScan, check_scan
-from ._diffuse import filter_diffuse
-from ._linalg import _chol
+from ._filter import (
+    filter_diffuse,
+    filter_exact,
+    filter_sequential,
+    filter_steady,
+    may_settle,
+)
+from ._linalg import chol
+from ._model import (
+    all_observed,
+    KalmanFilterResult,
+    KalmanSmootherResult,
+    Model,
+    prepare,
+    Problem,
+    Whitening,
+)
 from ._parallel import filter_parallel
-from ._problem import _all_observed, _Problem, prepare, Whitening
-from ._results import KalmanFilterResult, KalmanSmootherResult
-from ._sequential import filter_exact, filter_sequential
 from ._smoother import smooth_parallel, smooth_sequential
-from ._steady import _may_settle, filter_steady
 
-
-if TYPE_CHECKING:
-    from ._layer import KalmanFilter
 
 _Out = TypeVar("_Out")
 
@@ -63,23 +71,23 @@ def by_whitening(
     branches = [lambda w=w: work(w) for w in ("complete", "missing")]
     if remat:
         branches = [jax.checkpoint(b) for b in branches]
-    return lax.cond(_all_observed(~jnp.isnan(ys)), *branches)
+    return lax.cond(all_observed(~jnp.isnan(ys)), *branches)
 
 
 def filter_problem(
-    problem: _Problem, scan: AbstractScan, kf: "KalmanFilter"
+    problem: Problem, scan: AbstractScan, *, steady_state: bool, square_root: bool
 ) -> KalmanFilterResult:
-    """The filter of `problem` with the backend `scan` and `kf`'s private switches
-    (`_steady_state`, `_square_root`)."""
+    """The filter of `problem` with the backend `scan` and the layer's private
+    switches (`steady_state`, `square_root`)."""
     if scan.parallel:
-        return filter_parallel(problem, scan, square_root=kf._square_root)[0]
+        return filter_parallel(problem, scan, square_root=square_root)[0]
     return filter_sequential(
-        problem, steady_state=kf._steady_state, square_root=kf._square_root
+        problem, steady_state=steady_state, square_root=square_root
     )
 
 
 def smooth_problem(
-    problem: _Problem,
+    problem: Problem,
     scan: AbstractScan,
     square_root: bool = True,
     steady_state: bool = False,
@@ -93,7 +101,7 @@ def smooth_problem(
     if scan.parallel:
         filtered, factors = filter_parallel(problem, scan, square_root=square_root)
         return smooth_parallel(model, filtered, factors, scan)
-    if steady_state and square_root and _may_settle(problem):
+    if steady_state and square_root and may_settle(problem):
         filtered, settled, factors = filter_steady(
             problem, exact_fallback=False, factors=True
         )
@@ -103,20 +111,21 @@ def smooth_problem(
             lambda: smooth_problem(problem, scan),
         )
     filtered, carries = filter_exact(problem, square_root=square_root)
-    factors = carries if square_root else _chol(carries)
+    factors = carries if square_root else chol(carries)
     return smooth_sequential(model, filtered, factors)
 
 
 @full_precision
 def filter_(
-    kf: "KalmanFilter", ys: Array, us: Array | None, scan: AbstractScan
+    model: Model, ys: Array, us: Array | None, scan: AbstractScan
 ) -> KalmanFilterResult:
-    """The filter of `kf` on `ys` and `us` (checked) with the backend `scan`."""
+    """The filter of `model` on `ys` and `us` (checked) with the backend `scan`."""
+    switches = dict(steady_state=model.steady_state, square_root=model.square_root)
 
     def work(whitening):
-        problem = prepare(kf, ys, us, whitening)
-        run = lambda problem: filter_problem(problem, scan, kf)
-        if kf.initialization == "diffuse":
+        problem = prepare(model, ys, us, whitening)
+        run = lambda problem: filter_problem(problem, scan, **switches)
+        if model.initialization == "diffuse":
             return filter_diffuse(problem, run)
         return run(problem)
 
@@ -125,13 +134,16 @@ def filter_(
 
 @full_precision
 def smooth(
-    kf: "KalmanFilter", ys: Array, us: Array | None, scan: AbstractScan
+    model: Model, ys: Array, us: Array | None, scan: AbstractScan
 ) -> KalmanSmootherResult:
-    """The smoother of `kf` on `ys` and `us` (checked) with the backend `scan`."""
+    """The smoother of `model` on `ys` and `us` (checked) with the backend `scan`."""
     return by_whitening(
         ys,
         scan,
         lambda whitening: smooth_problem(
-            prepare(kf, ys, us, whitening), scan, kf._square_root, kf._steady_state
+            prepare(model, ys, us, whitening),
+            scan,
+            model.square_root,
+            model.steady_state,
         ),
     )

@@ -1,7 +1,7 @@
 """Expectation-maximisation for `KalmanFilter.fit_em`.
 
 Each iteration runs the smoother on every sequence (the E-step; for complete data
-and a time-invariant model, the steady-state filter's sums, `_smooth_steady`),
+and a time-invariant model, the steady-state filter's sums, `smoothed_sums_steady`),
 turns its moments into the expected sufficient statistics of three linear
 regressions with Gaussian noise (`x_0` on 1 for `m0, P0`; `x_t` on
 `[x_{t-1}; u_t]` for `[F B], Q`; `y_t` on `[x_t; u_t]` for `[H D], R`), and solves
@@ -11,7 +11,7 @@ make a coefficient's M-step a weighted least squares on its free entries. See
 `docs/devdocs/kalman.md`, "Expectation-maximisation".
 """
 
-from typing import TYPE_CHECKING
+from typing import Any, NamedTuple
 
 import equinox as eqx
 import jax
@@ -21,30 +21,409 @@ import jax.scipy.linalg as jsl
 import numpy as np
 from jaxtyping import Array
 
-from .._misc import error_if_any, full_precision
+from .._misc import check_positive_int, error_if_any, full_precision
 from .._scan import AbstractScan
 from ._dispatch import by_whitening, smooth_problem
-from ._em_spec import _Fixed, _WHERE, as_array
+from ._filter import affine_scan, filter_steady, head_steps, may_settle
 from ._linalg import (
-    _bmm,
-    _cho_solve,
-    _chol,
-    _eye_like,
-    _factor,
-    _gram,
-    _mT,
-    _sym,
-    _unfactor,
+    bmm,
+    cho_solve,
+    chol,
+    eye_like,
+    factor,
+    gram,
+    mT,
+    sym,
     tria,
     tril_inverse_by_rows,
+    unfactor,
 )
-from ._problem import _bt, _Model, _model, _Problem, prepare
-from ._smooth_steady import _SmoothedSums, smoothed_sums_steady
-from ._steady import _may_settle
+from ._model import (
+    bt,
+    Initialization,
+    inputs,
+    Model,
+    model_of,
+    Parameters,
+    prepare,
+    PriorAt,
+    Problem,
+)
+from ._smoother import element
 
 
-if TYPE_CHECKING:
-    from ._layer import KalmanFilter
+# --- what `fit_em` holds fixed ---
+#
+# The `fixed` argument, checked against the model and normalised to one static spec
+# (`_Fixed`), and the checks of its inputs.
+#
+# A parameter is free (`False`), fixed (`True`), or, for `F`, `H`, `B`, `D` and `m0`,
+# fixed entry by entry (a tuple of tuples of bools, `True` where held): hashable, so
+# that the compiled EM loop is specialised to it.
+
+
+_WHERE = "eqx_seq.KalmanFilter.fit_em"
+# the parameters by their matrix names; covariances are fixed or free as a whole
+_NAMES = ("F", "H", "B", "D", "m0", "Q", "R", "P0")
+_COVARIANCES = ("Q", "R", "P0")
+# the filter-spec field of each name
+_FIELDS = {"Q": "Q_factor", "R": "R_factor", "P0": "P0_factor"}
+
+Mask = bool | tuple
+
+
+class _Fixed(NamedTuple):
+    F: Mask = False
+    H: Mask = False
+    B: Mask = False
+    D: Mask = False
+    m0: Mask = False
+    Q: Mask = False
+    R: Mask = False
+    P0: Mask = False
+
+
+def as_array(mask: Mask, shape: tuple[int, ...]) -> np.ndarray:
+    """A normalised mask as a boolean array of `shape` (`True`: held fixed)."""
+    return np.broadcast_to(np.asarray(mask, bool), shape)
+
+
+def _value(params: Parameters, name: str) -> Array | None:
+    return getattr(params, _FIELDS.get(name, name))
+
+
+def _shape(params: Parameters, name: str) -> tuple[int, ...]:
+    """The shape of one step's `name` (a mask's shape)."""
+    n, p, c = params.state_size, params.obs_size, params.control_size
+    shapes = {"F": (n, n), "H": (p, n), "B": (n, c), "D": (p, c), "m0": (n,)}
+    shapes.update(Q=(n, n), R=(p, p), P0=(n, n))
+    return shapes[name]
+
+
+def _normalise(params: Parameters, name: str, value: Any) -> Mask:
+    """One entry of the spec: a bool, or a boolean mask of the parameter's shape."""
+    if isinstance(value, (bool, np.bool_)):
+        return bool(value)
+    shape = _shape(params, name)
+    try:
+        mask = np.asarray(value)
+    except Exception as e:  # a traced mask, say
+        raise ValueError(
+            f"{_WHERE}: `fixed[{name!r}]` must be a bool or a concrete boolean array "
+            f"of shape {shape}, got {value!r}."
+        ) from e
+    if mask.dtype != bool or mask.shape not in ((), shape):
+        raise ValueError(
+            f"{_WHERE}: `fixed[{name!r}]` must be a bool or a boolean array of shape "
+            f"{shape} (True where held fixed), got {mask.dtype} of shape "
+            f"{mask.shape}."
+        )
+    if mask.all() or not mask.any():
+        return bool(mask.all())
+    if name in _COVARIANCES:
+        raise ValueError(
+            f"{_WHERE}: the covariance `{name}` is fixed or free as a whole: pass "
+            f"`fixed[{name!r}]` True or False, not a mask with some entries fixed."
+        )
+    return tuple(map(tuple, mask.tolist())) if mask.ndim == 2 else tuple(mask.tolist())
+
+
+def from_filter_spec(params: Parameters, spec: Parameters) -> dict[str, Any]:
+    """The entries of a filter spec (a `KalmanFilter`-shaped pytree of bools or
+    masks, as its `Parameters`)."""
+    out = {}
+    for name in _NAMES:
+        field = _FIELDS.get(name, name)
+        value = getattr(spec, field)
+        if (value is None) != (_value(params, name) is None):
+            raise ValueError(
+                f"{_WHERE}: the filter spec `fixed` does not match the model: its "
+                f"`{field}` is {value!r} where the model's is "
+                f"{'None' if _value(params, name) is None else 'an array'}. Build it "
+                "from the model, e.g. `jax.tree.map(lambda _: False, kf)`."
+            )
+        if value is not None:
+            out[name] = value
+    return out
+
+
+def fixed_spec(
+    params: Parameters,
+    fixed: Any,
+    num_steps: int,
+    prior_at: PriorAt,
+    initialization: Initialization,
+) -> _Fixed:
+    """The normalised spec of `fixed`: `None`, or a dict from parameter names to
+    bools or masks (`KalmanFilter.fit_em` turns a `KalmanFilter`-shaped pytree of
+    them, a filter spec, into one: `from_filter_spec`); checked against the model,
+    time-varying matrices included."""
+    if fixed is None:
+        entries = {}
+    elif isinstance(fixed, dict):
+        entries = dict(fixed)
+        unknown = [k for k in entries if k not in _NAMES]
+        if unknown:
+            raise ValueError(
+                f"{_WHERE}: unknown names in `fixed`: {unknown}; the parameters are "
+                f"{list(_NAMES)} (B and D with controls only)."
+            )
+        absent = [k for k in entries if _value(params, k) is None]
+        if absent:
+            raise ValueError(
+                f"{_WHERE}: `fixed` names {absent}, but this model has no controls "
+                "(control_size=0), so no B or D."
+            )
+    else:
+        raise ValueError(
+            f"{_WHERE}: `fixed` must be None, a dict from parameter names to bools or "
+            "boolean masks, or a KalmanFilter-shaped pytree of them (a filter spec), "
+            f"got {type(fixed).__name__}."
+        )
+    spec = _Fixed(**{k: _normalise(params, k, v) for k, v in entries.items()})
+    _check_time_varying(params, spec)
+    return _check_prior(params, spec, num_steps, prior_at, initialization)
+
+
+def _check_prior(
+    params: Parameters,
+    spec: _Fixed,
+    num_steps: int,
+    prior_at: PriorAt,
+    initialization: Initialization,
+) -> _Fixed:
+    """The prior's options (a diffuse one is refused by the layer, with the
+    smoother): a stationary prior is a function of `F` and `Q` (its `m0`, `P0`
+    unused), whose M-step would then have no closed form, so they are held; with
+    `prior_at="x1"` one step has no transition to fit."""
+    if initialization == "stationary":
+        if spec.F is not True or spec.Q is not True:
+            raise ValueError(
+                f'{_WHERE}: with initialization="stationary" the prior is a '
+                "function of F and Q, which then have no closed-form M-step: hold "
+                'them fixed (`fixed={"F": True, "Q": True}`) or use "known".'
+            )
+        spec = spec._replace(m0=True, P0=True)
+    free = [
+        k
+        for k in ("F", "B", "Q")
+        if _value(params, k) is not None and getattr(spec, k) is not True
+    ]
+    if prior_at == "x1" and num_steps == 1 and free:
+        raise ValueError(
+            f'{_WHERE}: with prior_at="x1" sequences of one step have no transition, '
+            "so F, B and Q cannot be fitted; hold them fixed."
+        )
+    return spec
+
+
+def _check_time_varying(params: Parameters, spec: _Fixed) -> None:
+    """A free parameter is time-invariant; a free coefficient needs a time-invariant
+    noise covariance to weigh it (its regression weighs every step alike)."""
+    for name in ("F", "H", "Q", "R"):
+        if _value(params, name).ndim == 3 and getattr(spec, name) is not True:
+            raise ValueError(
+                f"{_WHERE}: `{name}` varies with time, so it cannot be fitted; hold "
+                f"it fixed with `fixed={{{name!r}: True, ...}}`."
+            )
+    for cov, coefs in (("Q", ("F", "B")), ("R", ("H", "D"))):
+        # a normalised mask is all-fixed only as `True`
+        free = [
+            k
+            for k in coefs
+            if _value(params, k) is not None and getattr(spec, k) is not True
+        ]
+        if _value(params, cov).ndim == 3 and free:
+            raise ValueError(
+                f"{_WHERE}: `{cov}` varies with time, so {' and '.join(free)} cannot "
+                "be fitted (their M-step weighs every step by one covariance); hold "
+                f"them fixed too."
+            )
+
+
+def check_data(
+    params: Parameters, scan: AbstractScan, ys: Any, us: Any, num_iters: Any
+) -> tuple[Array, Array | None]:
+    """`ys` as `(batch, T, obs_size)` and `us` as `(batch, T, control_size)` (or
+    `None`), checked and cast to the parameters' dtype."""
+    check_positive_int("num_iters", num_iters)
+    ys = jnp.asarray(ys)
+    us = None if us is None else jnp.asarray(us)
+    if ys.ndim == 2:
+        ys, us = inputs(params, scan, ys, us, "fit_em")
+        return ys[None], None if us is None else us[None]
+    if ys.ndim != 3 or ys.shape[0] < 1 or ys.shape[2] != params.obs_size:
+        raise ValueError(
+            f"{_WHERE}: `ys` must have shape (T, obs_size) or (batch, T, obs_size) "
+            f"with obs_size = {params.obs_size} and batch >= 1, got {ys.shape}."
+        )
+    if us is not None and (us.ndim != 3 or us.shape[:2] != ys.shape[:2]):
+        raise ValueError(
+            f"{_WHERE}: with a batch of sequences `us` must have shape (batch, T, "
+            f"control_size) = {(*ys.shape[:2], params.control_size)}, got {us.shape}."
+        )
+    # the other methods' checks (dtype, length, controls) on the first sequence
+    inputs(params, scan, ys[0], None if us is None else us[0], "fit_em")
+    dtype = params.m0.dtype
+    return ys.astype(dtype), None if us is None else us.astype(dtype)
+
+
+def _check_not_all_zero(ys: Array) -> None:
+    """Observations whose every observed entry is zero leave `R` no scale: its
+    maximum-likelihood value is zero, which no positive definite `R` reaches (the
+    log-likelihood grows without bound; with missing entries `R` shrinks by the
+    observed fraction at every iteration). Checked here when `ys` is concrete;
+    traced, the M-step's check (`_checked_factor`) raises at run time."""
+    if isinstance(ys, jax.core.Tracer):
+        return
+    y = np.asarray(ys)
+    observed = y[~np.isnan(y)]
+    if observed.size and not np.any(observed):
+        raise ValueError(
+            f"{_WHERE}: every observed entry of `ys` is zero, so the observation "
+            "noise `R` has no scale to fit: its maximum-likelihood value is zero, "
+            "which no positive definite `R` reaches. Hold `R` fixed "
+            "(`fixed={'R': True}`) or fit data that vary."
+        )
+
+
+def check_fit_em(
+    params: Parameters,
+    scan: AbstractScan,
+    ys: Any,
+    us: Any,
+    num_iters: Any,
+    fixed: Any,
+    prior_at: PriorAt,
+    initialization: Initialization,
+) -> tuple[Array, Array | None, _Fixed]:
+    """`fit_em`'s inputs, checked: the data as batches (`check_data`), the
+    normalised spec (`fixed_spec`), and, with `R` free, that some observed entry
+    is not zero."""
+    ys, us = check_data(params, scan, ys, us, num_iters)
+    spec = fixed_spec(params, fixed, ys.shape[1], prior_at, initialization)
+    if spec.R is not True:
+        _check_not_all_zero(ys)
+    return ys, us, spec
+
+
+# --- the E-step's sums from the steady-state filter ---
+#
+# The smoother's statistics that EM needs, from the steady-state filter:
+# time-invariant model, complete data.
+#
+# Once the filtered covariance has settled (`_filter.filter_steady`), the RTS gain
+# `J = P_f F^T P_p^{-1}` is constant, and so is the backward recursion of the
+# smoothed covariances, `P_t = C + J P_{t+1} J^T` with `C = P_f - J P_p J^T`: from
+# the last step it approaches its fixed point `P_ss` as `P_t = P_ss + J^j D J^jT`
+# (`j` steps back, `D = P_f - P_ss`). So the sums of the smoothed covariances and
+# cross-covariances over the steady steps are Lyapunov sums, `O(log T)` products;
+# the smoothed means are a backward loop of one matrix-vector product; the exact
+# head runs the RTS recursion step by step. The gains and `C` are the square-root
+# smoother's elements (`_smoother.element`, from the filtered factors), never the
+# covariance form's `P_f - J P_p J^T`: on a stiff model (a vague prior meeting
+# precise observations) the head's predicted covariances are many orders above the
+# filtered ones, and that difference cancelled in float32. Only sums leave these
+# functions (no per-step covariances): see `docs/devdocs/kalman.md`,
+# "Expectation-maximisation".
+
+
+# The fixed point is the sum of `J^j C J^jT` for `j < 2^_LOG2_TERMS`; it counts as
+# converged when `|J^(2^_LOG2_TERMS)|^2` is below round-off.
+_LOG2_TERMS = 12
+
+
+class _SmoothedSums(eqx.Module):
+    """What EM reads of the smoother: the means `(T, n)`, the first and last
+    covariances, the sum of all covariances and of the lag-one cross-covariances
+    `Cov[x_t, x_{t+1}]` (or, where noted by the caller, the per-step arrays), and
+    the log-likelihood."""
+
+    means: Array
+    first: Array
+    last: Array
+    covs: Array
+    cross: Array
+    log_likelihood: Array
+
+
+def lyapunov_sum(J: Array, X: Array, N: int) -> tuple[Array, Array]:
+    """`sum_{j < N} J^j X J^jT` and `J^N`, by doubling over the binary digits of
+    `N` (static)."""
+    total = jnp.zeros_like(X)
+    power = jnp.eye(J.shape[0], dtype=J.dtype)
+    A, S = J, X  # S: the sum of the first 2^i terms, A = J^(2^i)
+    while N:
+        if N & 1:
+            total = total + power @ S @ power.T
+            power = power @ A
+        N >>= 1
+        if N:
+            S = S + A @ S @ A.T
+            A = A @ A
+    return total, power
+
+
+def _head(E, g, C, m_next, P_next):
+    """The exact steps' RTS recursion, backwards from the smoothed moments of the
+    first steady step, on their square-root elements `(E, g, C)`: the means,
+    covariances (sums of positive semi-definite terms) and cross-covariances."""
+
+    def step(carry, x):
+        m1, P1 = carry
+        E, g, C = x
+        m = E @ m1 + g
+        P = sym(E @ P1 @ E.T + C)
+        return (m, P), (m, P, E @ P1)
+
+    return lax.scan(step, (m_next, P_next), (E, g, C), reverse=True)[1]
+
+
+def smoothed_sums_steady(problem: Problem) -> tuple[_SmoothedSums, Array]:
+    """The statistics of a problem that `may_settle`, and whether they are exact:
+    the filter's covariance settled and the smoother's converges (`J` contracts)."""
+    result, settled, (head_factors, tail_factor) = filter_steady(
+        problem, exact_fallback=False, factors=True
+    )
+    model = problem.model
+    F, L_Q = model.F, model.L_Q
+    mf, mp = result.means, result.predicted_means
+    T = mf.shape[0]
+    K = head_steps(mf.dtype)
+    N = T - K  # the steady steps
+    Pf = result.covs[-1]
+    # the steady steps' element: the gain J and C = Pf - J Pp J^T, by one
+    # triangularisation of the settled factor (its `g` is per step, below)
+    J, _, C = element(mf[K], tail_factor, mp[K + 1], F, L_Q)
+    # means: the steady steps backwards from the last, then the head
+    z = mf[K:-1] - mp[K + 1 :] @ J.T
+    tail = affine_scan(J, z[::-1], mf[-1])[::-1]
+    m_K = tail[0] if N > 1 else mf[-1]
+    # covariances of the steady steps: P_ss + J^j D J^jT, j = 0..N-1 from the last
+    P_ss, J_far = lyapunov_sum(J, C, 2**_LOG2_TERMS)
+    D = Pf - P_ss
+    tail_sum = N * P_ss + lyapunov_sum(J, D, N)[0]
+    J_K = jnp.linalg.matrix_power(J, N - 1)
+    P_K = sym(P_ss + J_K @ D @ J_K.T)
+    # the head, rows 0..K-1: elements from their own filtered factors
+    E_h, g_h, C_h = jax.vmap(element, in_axes=(0, 0, 0, None, None))(
+        mf[:K], head_factors, mp[1 : K + 1], F, L_Q
+    )
+    ms_h, Ps_h, cross_h = _head(E_h, g_h, C_h, m_K, P_K)
+    sums = _SmoothedSums(
+        means=jnp.concatenate([ms_h, tail, mf[-1:]]),
+        first=Ps_h[0],
+        last=Pf,
+        covs=jnp.sum(Ps_h, axis=0) + tail_sum,
+        cross=jnp.sum(cross_h, axis=0) + J @ (tail_sum - P_K),
+        log_likelihood=result.log_likelihood,
+    )
+    eps = jnp.finfo(mf.dtype).eps
+    converged = jnp.sum(J_far * J_far) <= eps
+    return sums, settled & converged
+
+
+# --- the E-step and the M-step ---
 
 
 class _Moments(eqx.Module):
@@ -72,7 +451,7 @@ def _with_controls(x: Array, us: Array | None) -> Array:
     return x if us is None else jnp.concatenate([x, us], axis=-1)
 
 
-def _smoothed_x0(model: _Model, m1: Array, P1: Array, c1: Array | None):
+def _smoothed_x0(model: Model, m1: Array, P1: Array, c1: Array | None):
     """The smoothed moments of `x_0`, the state before the first observation, and
     `Cov[x_0, x_1 | y]`: one RTS step back from the smoothed `x_1`, whose
     prediction from the prior has no data in between, `x_0 | x_1 ~ N(J x_1 + g,
@@ -88,17 +467,17 @@ def _smoothed_x0(model: _Model, m1: Array, P1: Array, c1: Array | None):
     WQF = tril_inverse_by_rows(L_Q)  # then W_Q F, W_Q^T W_Q = Q^{-1}
     WQ, WQF = WQF, WQF @ F
     U = tria(jnp.concatenate([W0.T, WQF.T], axis=1))  # U U^T = C^{-1}
-    Y = _mT(tril_inverse_by_rows(U))  # Y Y^T = C
+    Y = mT(tril_inverse_by_rows(U))  # Y Y^T = C
     C = Y @ Y.T
     J = C @ (WQF.T @ WQ)
     g = C @ (W0.T @ (W0 @ model.m0))
     if c1 is not None:
         g = g - J @ c1[0]
-    return J @ m1 + g, _sym(J @ P1 @ J.T + C), J @ P1
+    return J @ m1 + g, sym(J @ P1 @ J.T + C), J @ P1
 
 
 def _completed_observations(
-    problem: _Problem, ms, Ps, ys, us, L_R, D, per_step, complete
+    problem: Problem, ms, Ps, ys, us, L_R, D, per_step, complete
 ):
     """The moments of the completed observations `y_t` (missing entries latent)
     from the smoothed means `ms` and covariances `Ps`: their means `(T, p)`, and
@@ -117,35 +496,35 @@ def _completed_observations(
         shape = (T,) if per_step else ()
         zeros = lambda *s: jnp.zeros((*shape, *s), ys.dtype)
         return ys, zeros(p, p), zeros(p, n)
-    W = _bt(problem.W, T)
-    R = _bt(_gram(L_R), T)
-    H = _bt(problem.model.H, T)
-    K = _bmm(R, _mT(W))
-    Hw = _bmm(W, H)
+    W = bt(problem.W, T)
+    R = bt(gram(L_R), T)
+    H = bt(problem.model.H, T)
+    K = bmm(R, mT(W))
+    Hw = bmm(W, H)
     w = problem.yw - jnp.einsum("tpn,tn->tp", Hw, ms)
     my = jnp.einsum("tpn,tn->tp", H, ms) + jnp.einsum("tpq,tq->tp", K, w)
     if D is not None:
         my = my + us @ D.T
-    A = H - _bmm(K, Hw)  # the missing entries' dependence on x_t
-    Vyx = _bmm(A, Ps)
-    Vyy = _bmm(Vyx, _mT(A)) + R - _bmm(_bmm(K, W), R)
+    A = H - bmm(K, Hw)  # the missing entries' dependence on x_t
+    Vyx = bmm(A, Ps)
+    Vyy = bmm(Vyx, mT(A)) + R - bmm(bmm(K, W), R)
     if not per_step:
         Vyx, Vyy = jnp.sum(Vyx, axis=0), jnp.sum(Vyy, axis=0)
-    return my, _sym(Vyy), Vyx
+    return my, sym(Vyy), Vyx
 
 
-def _smoothed(kf: "KalmanFilter", ys, us, scan: AbstractScan, per_step: bool):
+def _smoothed(model: Model, ys, us, scan: AbstractScan, per_step: bool):
     """The smoother's statistics (summed over the steps unless `per_step`) and the
     completed observations' moments. For a time-invariant model with complete data
-    the sums come from the steady-state filter (`_smooth_steady`) where it settles
+    the sums come from the steady-state filter (`smoothed_sums_steady`) where it settles
     and the smoother converges, else from the smoother."""
-    L_R = _factor(kf.R_factor)
+    L_R = model.L_R
 
     def exact(problem, complete):
         sm = smooth_problem(problem, scan)
         ms, Ps, cross = sm.means, sm.covs, sm.cross_covs
         obs = _completed_observations(
-            problem, ms, Ps, ys, us, L_R, kf.D, per_step, complete
+            problem, ms, Ps, ys, us, L_R, model.D, per_step, complete
         )
         if not per_step:
             Ps, cross = jnp.sum(Ps, axis=0), jnp.sum(cross, axis=0)
@@ -153,14 +532,14 @@ def _smoothed(kf: "KalmanFilter", ys, us, scan: AbstractScan, per_step: bool):
         return _SmoothedSums(ms, sm.covs[0], sm.covs[-1], Ps, cross, ll), obs
 
     def work(whitening):
-        problem = prepare(kf, ys, us, whitening)
+        problem = prepare(model, ys, us, whitening)
         complete = whitening == "complete"
-        steady = not (per_step or scan.parallel) and kf._steady_state
-        if not (complete and steady and _may_settle(problem)):
+        steady = not (per_step or scan.parallel) and model.steady_state
+        if not (complete and steady and may_settle(problem)):
             return exact(problem, complete)
         sums, ok = smoothed_sums_steady(problem)
         obs = _completed_observations(
-            problem, None, None, ys, us, L_R, kf.D, per_step, complete
+            problem, None, None, ys, us, L_R, model.D, per_step, complete
         )
         return lax.cond(ok, lambda: (sums, obs), lambda: exact(problem, complete))
 
@@ -168,45 +547,45 @@ def _smoothed(kf: "KalmanFilter", ys, us, scan: AbstractScan, per_step: bool):
 
 
 def _sequence_moments(
-    kf: "KalmanFilter", ys: Array, us: Array | None, scan: AbstractScan
+    model: Model, ys: Array, us: Array | None, scan: AbstractScan
 ) -> tuple[tuple[_Moments, _Moments, _Moments], Array]:
     """The E-step on one sequence: the moments of the prior, transition and
     emission regressions, and the log-likelihood."""
-    per_step_x, per_step_y = kf.F.ndim == 3, kf.H.ndim == 3
+    per_step_x, per_step_y = model.F.ndim == 3, model.H.ndim == 3
     per_step = per_step_x or per_step_y
-    sm, (my, Vyy, Vyx) = _smoothed(kf, ys, us, scan, per_step)
+    sm, (my, Vyy, Vyx) = _smoothed(model, ys, us, scan, per_step)
     T, n = sm.means.shape
     c = 0 if us is None else us.shape[1]
     k = n + c
     ms = sm.means
-    x1 = kf.prior_at == "x1"
+    x1 = model.prior_at == "x1"
     if x1:
         # the prior is x_1's; transitions into x_2..x_T
         m0, P0 = ms[0], sm.first
         mprev, xs, u_x = ms[:-1], ms[1:], None if us is None else us[1:]
     else:
         # x_0 smoothed too; transitions into x_1..x_T
-        c1 = None if us is None else us[:1] @ kf.B.T
-        m0, P0, C01 = _smoothed_x0(_model(kf), ms[0], sm.first, c1)
+        c1 = None if us is None else us[:1] @ model.B.T
+        m0, P0, C01 = _smoothed_x0(model, ms[0], sm.first, c1)
         mprev, xs, u_x = jnp.concatenate([m0[None], ms[:-1]]), ms, us
     # the covariances of the targets x_t, of the regressors x_{t-1}, and
     # Cov[x_t, x_{t-1}]
     if per_step:
         Ps, cross = sm.covs, sm.cross
         if x1:
-            Vyy_x, Vzz_x, Vyz_x = Ps[1:], Ps[:-1], _mT(cross)
+            Vyy_x, Vzz_x, Vyz_x = Ps[1:], Ps[:-1], mT(cross)
         else:
             Vyy_x, Vzz_x = Ps, jnp.concatenate([P0[None], Ps[:-1]])
-            Vyz_x = _mT(jnp.concatenate([C01[None], cross]))
+            Vyz_x = mT(jnp.concatenate([C01[None], cross]))
         if not per_step_x:
             Vyy_x, Vyz_x, Vzz_x = (jnp.sum(V, 0) for V in (Vyy_x, Vyz_x, Vzz_x))
         Vzz_y = Ps if per_step_y else jnp.sum(Ps, axis=0)
     else:
         S = sm.covs
         if x1:
-            Vyy_x, Vzz_x, Vyz_x = S - sm.first, S - sm.last, _mT(sm.cross)
+            Vyy_x, Vzz_x, Vyz_x = S - sm.first, S - sm.last, mT(sm.cross)
         else:
-            Vyy_x, Vzz_x, Vyz_x = S, P0 + S - sm.last, _mT(C01 + sm.cross)
+            Vyy_x, Vzz_x, Vyz_x = S, P0 + S - sm.last, mT(C01 + sm.cross)
         Vzz_y = S
     zero = lambda *shape: jnp.zeros(shape, ms.dtype)
     prior = _Moments(m0[None], zero(1, 1) + 1, P0, zero(n, 1), zero(1, 1))
@@ -232,7 +611,7 @@ def _spd_solve(A: Array, B: Array) -> Array:
     """`A^{-1} B` for symmetric positive (semi-)definite `A`, via its Cholesky
     factor with jitter scaled to the dtype (a regressor that never varies, as a
     control that is always zero, leaves `A` singular)."""
-    return _cho_solve(_chol(A), B)
+    return cho_solve(chol(A), B)
 
 
 # The Gramian's Cholesky factor is used where every pivot keeps at least this many
@@ -263,9 +642,9 @@ def _sqrt_regression(mo: _Moments) -> tuple[Array, Array]:
     d, k = mo.my.shape[-1], mo.mz.shape[-1]
     N = mo.my.shape[0] * mo.my.shape[1]
     Vzz, Vyz, Vyy = (jnp.sum(V, axis=0) for V in (mo.Vzz, mo.Vyz, mo.Vyy))
-    V = _sym(jnp.block([[Vzz, _mT(Vyz)], [Vyz, Vyy]]))
+    V = sym(jnp.block([[Vzz, mT(Vyz)], [Vyz, Vyy]]))
     means = jnp.concatenate([mo.mz, mo.my], axis=-1).reshape(N, k + d)
-    gram = _sym(_mT(means) @ means + V)
+    gram = sym(mT(means) @ means + V)
     L_gram = jnp.linalg.cholesky(gram)
     eps = jnp.finfo(gram.dtype).eps
     pivots = jnp.diagonal(L_gram) ** 2 / jnp.diagonal(gram)
@@ -276,8 +655,8 @@ def _sqrt_regression(mo: _Moments) -> tuple[Array, Array]:
         # a factor of the positive semi-definite V, singular ones included
         # (complete data: no covariance in y), without jitter
         lam, U = jnp.linalg.eigh(V)
-        G = jnp.sqrt(jnp.maximum(lam, 0))[:, None] * _mT(U)
-        return tria(_mT(jnp.concatenate([means, G])))
+        G = jnp.sqrt(jnp.maximum(lam, 0))[:, None] * mT(U)
+        return tria(mT(jnp.concatenate([means, G])))
 
     L = lax.cond(keeps_digits, lambda: L_gram, by_data)
     L_zz, L_yz, L_yy = L[:k, :k], L[k:, :k], L[k:, k:]
@@ -285,7 +664,7 @@ def _sqrt_regression(mo: _Moments) -> tuple[Array, Array]:
     # always zero): a zero row of L_zz and zero column of L_yz; its coefficient 0
     eye = jnp.eye(k, dtype=bool)
     L_zz = jnp.where(eye & (L_zz == 0), 1, L_zz)
-    A = _mT(jsl.solve_triangular(L_zz, _mT(L_yz), lower=True, trans=1))
+    A = mT(jsl.solve_triangular(L_zz, mT(L_yz), lower=True, trans=1))
     return A, L_yy / np.sqrt(N).astype(L.dtype)
 
 
@@ -318,7 +697,7 @@ def _regression(
         S = _outer_sum(mo.mz, mo.mz) + _vsum(mo.Vzz, per_step)
         C = _outer_sum(mo.my, mo.mz) + _vsum(mo.Vyz, per_step)
         if free.all():
-            A = _mT(_spd_solve(S, _mT(C)))
+            A = mT(_spd_solve(S, mT(C)))
         else:
             A_fixed = jnp.where(np.broadcast_to(free, A.shape), 0, A)
             if per_step:
@@ -327,7 +706,7 @@ def _regression(
                 O = jnp.einsum("tdk,btkl->dl", A_fixed, mo.Vzz) + _outer_sum(Az, mo.mz)
             else:
                 O = A_fixed @ S
-            L_inv = jsl.solve_triangular(L, _eye_like(L), lower=True)
+            L_inv = jsl.solve_triangular(L, eye_like(L), lower=True)
             Lam = L_inv.T @ L_inv
             idx = np.flatnonzero(free)
             G = jnp.kron(Lam, S)[idx[:, None], idx[None, :]]
@@ -345,8 +724,8 @@ def _regression(
         if per_step
         else (jnp.sum(V, axis=0) for V in (mo.Vyy, mo.Vyz, mo.Vzz))
     )
-    AVzy = _bmm(At, _mT(Vyz))
-    V = Vyy - AVzy - _mT(AVzy) + _bmm(_bmm(At, Vzz), _mT(At))
+    AVzy = bmm(At, mT(Vyz))
+    V = Vyy - AVzy - mT(AVzy) + bmm(bmm(At, Vzz), mT(At))
     res = _outer_sum(r, r) + (jnp.sum(V, axis=(0, 1)) if per_step else V)
     return A, _psd_factor(res / (mo.my.shape[0] * mo.my.shape[1]))
 
@@ -356,7 +735,7 @@ def _psd_factor(cov: Array) -> Array:
     included (a zero diagonal entry where a direction has no variance left), from
     its eigendecomposition: a Cholesky factorisation subtracts, and at a singular
     matrix its rounding gave NaN."""
-    lam, U = jnp.linalg.eigh(_sym(cov))
+    lam, U = jnp.linalg.eigh(sym(cov))
     return tria(U * jnp.sqrt(jnp.maximum(lam, 0))[None, :])
 
 
@@ -373,7 +752,7 @@ _COV_FLOOR_ULPS = 256
 def _floored_factor(L: Array) -> Array:
     """The factor of a new covariance `L L^T`, kept positive definite.
 
-    First `_chol`'s jitter, `eps * mean(diag)` on the diagonal (added in
+    First `chol`'s jitter, `eps * mean(diag)` on the diagonal (added in
     square-root form, `tria([L, sqrt(jitter) I])`, without the cancellation of
     factoring the sum), which also gives an entry with no variance at all a
     positive one. Then the floor, only where an entry's conditional variance
@@ -384,7 +763,7 @@ def _floored_factor(L: Array) -> Array:
     """
     eps = jnp.finfo(L.dtype).eps
     jitter = jnp.sqrt(eps * jnp.sum(L * L) / L.shape[-1])
-    L = tria(jnp.concatenate([L, jitter * _eye_like(L)], axis=-1))
+    L = tria(jnp.concatenate([L, jitter * eye_like(L)], axis=-1))
     floor = jnp.sqrt(_COV_FLOOR_ULPS * eps * jnp.sum(L * L, axis=-1))
     d = jnp.diagonal(L)
     return L + jnp.diag(jnp.maximum(d, floor) - d)
@@ -403,11 +782,11 @@ def _checked_factor(L: Array, name: str) -> Array:
     )
 
 
-def _m_step(kf: "KalmanFilter", moments, spec: _Fixed) -> "KalmanFilter":
+def _m_step(params: Parameters, moments, spec: _Fixed, prior_at: PriorAt) -> Parameters:
     """The new parameters: the three regressions of `_regression`, fixed entries
     kept (the spec)."""
     prior, transition, emission = moments
-    n, p, c = kf.state_size, kf.obs_size, kf.control_size
+    n, p, c = params.state_size, params.obs_size, params.control_size
     new = {}
 
     def free(names, shapes):
@@ -417,8 +796,8 @@ def _m_step(kf: "KalmanFilter", moments, spec: _Fixed) -> "KalmanFilter":
     # m0, P0: the prior's state on 1 (with a stationary prior, unused)
     m0, L_P0 = _regression(
         prior,
-        kf.m0[:, None],
-        _factor(kf.P0_factor),
+        params.m0[:, None],
+        factor(params.P0_factor),
         ~as_array(spec.m0, (n,))[:, None],
         spec.P0 is False,
     )
@@ -427,16 +806,16 @@ def _m_step(kf: "KalmanFilter", moments, spec: _Fixed) -> "KalmanFilter":
         (("F", "B", "Q"), transition, n),
         (("H", "D", "R"), emission, p),
     ):
-        A = getattr(kf, coef)
-        if coef == "F" and A.ndim == 3 and kf.prior_at == "x1":
+        A = getattr(params, coef)
+        if coef == "F" and A.ndim == 3 and prior_at == "x1":
             A = A[1:]  # step 1 has no transition
         names, shapes = (coef,), ((rows, n),)
         if c:
-            B = getattr(kf, ctrl)
+            B = getattr(params, ctrl)
             A = jnp.concatenate([A, jnp.broadcast_to(B, (*A.shape[:-1], c))], -1)
             names, shapes = (coef, ctrl), ((rows, n), (rows, c))
         A, L_new = _regression(
-            mo, A, _factor(getattr(kf, f"{cov}_factor")), free(names, shapes),
+            mo, A, factor(getattr(params, f"{cov}_factor")), free(names, shapes),
             getattr(spec, cov) is False,
         )  # fmt: skip
         new[coef] = A[..., :n]
@@ -447,51 +826,56 @@ def _m_step(kf: "KalmanFilter", moments, spec: _Fixed) -> "KalmanFilter":
     held = {k for k, v in spec._asdict().items() if v is True}
     new = {
         k: (
-            _unfactor(_checked_factor(_floored_factor(v), k.removesuffix("_factor")))
+            unfactor(_checked_factor(_floored_factor(v), k.removesuffix("_factor")))
             if k.endswith("_factor")
             else v
         )
         for k, v in new.items()
         if v is not None and k.removesuffix("_factor") not in held
     }
-    names = list(new)
-    return eqx.tree_at(
-        lambda kf: [getattr(kf, k) for k in names], kf, [new[k] for k in names]
-    )
+    return params._replace(**new)
 
 
 @eqx.filter_jit
 @full_precision
 def fit_em(
-    kf: "KalmanFilter",
+    params: Parameters,
     ys: Array,
     us: Array | None,
     num_iters: int,
     spec: _Fixed,
     scan: AbstractScan,
-) -> tuple["KalmanFilter", Array]:
-    """`num_iters` EM iterations from `kf` on checked `ys` `(batch, T, p)` and `us`
-    `(batch, T, c)`: the fitted filter and the log-likelihood after each iteration
-    (summed over the sequences), in one compiled program."""
-    params, static = eqx.partition(kf, eqx.is_inexact_array)
+    *,
+    prior_at: PriorAt,
+    initialization: Initialization,
+    steady_state: bool = True,
+) -> tuple[Parameters, Array]:
+    """`num_iters` EM iterations from `params` (with the prior's options and the
+    private `steady_state`) on checked `ys` `(batch, T, p)` and `us` `(batch, T,
+    c)`: the fitted parameters and the log-likelihood after each iteration (summed
+    over the sequences), in one compiled program."""
+    arrays, static = eqx.partition(params, eqx.is_inexact_array)
     if ys.shape[0] == 1:
         # one sequence without `vmap`, under which the sequential loops run slower
-        def e_step(kf, ys, us, scan):
+        def e_step(model, ys, us, scan):
             u = None if us is None else us[0]
-            out = _sequence_moments(kf, ys[0], u, scan)
+            out = _sequence_moments(model, ys[0], u, scan)
             return jax.tree.map(lambda x: x[None], out)
 
     else:
         e_step = jax.vmap(_sequence_moments, in_axes=(None, 0, 0, None))
 
-    def iteration(params, last):
-        kf = eqx.combine(params, static)
-        moments, lls = e_step(kf, ys, us, scan)
-        new = eqx.partition(_m_step(kf, moments, spec), eqx.is_inexact_array)[0]
+    def iteration(arrays, last):
+        params = eqx.combine(arrays, static)
+        model = model_of(params, prior_at, initialization, steady_state=steady_state)
+        moments, lls = e_step(model, ys, us, scan)
+        new = eqx.partition(
+            _m_step(params, moments, spec, prior_at), eqx.is_inexact_array
+        )[0]
         # the last pass is an E-step only: the final parameters' log-likelihood
-        new = jax.tree.map(lambda a, b: jnp.where(last, a, b), params, new)
+        new = jax.tree.map(lambda a, b: jnp.where(last, a, b), arrays, new)
         return new, jnp.sum(lls)
 
     last = jnp.arange(num_iters + 1) == num_iters
-    params, lls = lax.scan(iteration, params, last)
-    return eqx.combine(params, static), lls[1:]
+    arrays, lls = lax.scan(iteration, arrays, last)
+    return eqx.combine(arrays, static), lls[1:]

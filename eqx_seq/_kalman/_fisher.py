@@ -8,8 +8,6 @@ filter is cheaper, and is used instead. See `docs/devdocs/kalman.md`, "Fisher's
 identity".
 """
 
-from typing import TYPE_CHECKING
-
 import equinox as eqx
 import jax
 import jax.lax as lax
@@ -20,14 +18,9 @@ from jaxtyping import Array
 from .._misc import full_precision, vary_like
 from .._scan import AbstractScan
 from ._dispatch import by_whitening, filter_, smooth_problem
-from ._linalg import _bmm, _cho_solve, _eye_like, _LOG_2PI, _mT
-from ._problem import _bt, _per_step, _Problem, prepare
-from ._steady import _may_settle, filter_steady
-from ._step import first_prediction
-
-
-if TYPE_CHECKING:
-    from ._layer import KalmanFilter
+from ._filter import filter_steady, first_prediction, may_settle
+from ._linalg import bmm, cho_solve, eye_like, LOG_2PI, mT
+from ._model import bt, Model, per_step, prepare, Problem
 
 
 def _sum_tr(A: Array, X: Array, B: Array) -> Array:
@@ -35,10 +28,10 @@ def _sum_tr(A: Array, X: Array, B: Array) -> Array:
     if A.ndim == 2 and B.ndim == 2:
         return jnp.sum((A @ jnp.sum(X, axis=0)) * B)
     T = X.shape[0]
-    return jnp.sum(_bmm(_bt(A, T), X) * _bt(B, T))
+    return jnp.sum(bmm(bt(A, T), X) * bt(B, T))
 
 
-def _expected_log_joint(problem: _Problem, stats) -> Array:
+def _expected_log_joint(problem: Problem, stats) -> Array:
     """`E[log p(x_1..x_T, y_1..y_T)]` over a fixed Gaussian posterior.
 
     `stats = (means, covs, cross_covs)` are the smoother's moments of `x_1..x_T`
@@ -51,21 +44,21 @@ def _expected_log_joint(problem: _Problem, stats) -> Array:
     model, c = problem.model, problem.c
     ms, Ps, cross = stats
     T, n = ms.shape
-    F_v, Q_v = _per_step(model.F, 2), _per_step(model.L_Q, 2)
+    F_v, Q_v = per_step(model.F, 2), per_step(model.L_Q, 2)
     dtype = ms.dtype
     # x_1
     mu1, S1 = first_prediction(model, c)
     L1 = jnp.linalg.cholesky(S1)
     d1 = ms[0] - mu1
-    q1 = jnp.trace(_cho_solve(L1, Ps[0] + d1[:, None] * d1[None, :]))
-    ll = -0.5 * (n * _LOG_2PI + q1) - jnp.sum(jnp.log(jnp.diagonal(L1)))
+    q1 = jnp.trace(cho_solve(L1, Ps[0] + d1[:, None] * d1[None, :]))
+    ll = -0.5 * (n * LOG_2PI + q1) - jnp.sum(jnp.log(jnp.diagonal(L1)))
     # transitions x_{t-1} -> x_t, t = 2..T
     if T > 1:
         F = model.F[1:] if F_v else model.F
         L_Q = model.L_Q[1:] if Q_v else model.L_Q
-        K = jsl.solve_triangular(L_Q, _eye_like(L_Q), lower=True)  # L_Q^{-1}
+        K = jsl.solve_triangular(L_Q, eye_like(L_Q), lower=True)  # L_Q^{-1}
         d = ms[1:] - (
-            ms[:-1] @ _mT(F) if not F_v else jnp.einsum("tij,tj->ti", F, ms[:-1])
+            ms[:-1] @ mT(F) if not F_v else jnp.einsum("tij,tj->ti", F, ms[:-1])
         )
         if c is not None:
             d = d - c[1:]
@@ -79,19 +72,17 @@ def _expected_log_joint(problem: _Problem, stats) -> Array:
         )
         logdet_Q = jnp.sum(jnp.log(jnp.diagonal(L_Q, axis1=-2, axis2=-1)))
         logdet_Q = logdet_Q * (1 if Q_v else T - 1)
-        ll = ll - 0.5 * ((T - 1) * n * _LOG_2PI + quad) - logdet_Q
+        ll = ll - 0.5 * ((T - 1) * n * LOG_2PI + quad) - logdet_Q
     # emissions
     Hw = problem.W @ model.H
-    r = problem.yw - (
-        ms @ _mT(Hw) if Hw.ndim == 2 else jnp.einsum("tij,tj->ti", Hw, ms)
-    )
+    r = problem.yw - (ms @ mT(Hw) if Hw.ndim == 2 else jnp.einsum("tij,tj->ti", Hw, ms))
     quad = jnp.sum(r * r) + _sum_tr(Hw, Ps, Hw)
     num_obs = jnp.sum(problem.obs).astype(dtype)
-    return ll - 0.5 * (num_obs * _LOG_2PI + quad) - jnp.sum(problem.logdet)
+    return ll - 0.5 * (num_obs * LOG_2PI + quad) - jnp.sum(problem.logdet)
 
 
 def _steady_log_likelihood(
-    problem: _Problem, square_root: bool = True
+    problem: Problem, square_root: bool = True
 ) -> tuple[Array, Array]:
     """The log-likelihood through the steady-state filter, and whether its
     covariance settled (if not, the value is not the log-likelihood)."""
@@ -101,9 +92,10 @@ def _steady_log_likelihood(
     return result.log_likelihood, settled
 
 
-def _value_and_cotangent(problem: _Problem, scan: AbstractScan, kf: "KalmanFilter"):
+def _value_and_cotangent(
+    problem: Problem, scan: AbstractScan, *, steady_state: bool, square_root: bool
+):
     """The log-likelihood and its gradient with respect to `problem`."""
-    steady_state, square_root = kf._steady_state, kf._square_root
 
     def fisher():
         sm = smooth_problem(problem, scan, square_root)
@@ -111,7 +103,7 @@ def _value_and_cotangent(problem: _Problem, scan: AbstractScan, kf: "KalmanFilte
         grad = eqx.filter_grad(_expected_log_joint)(problem, stats)
         return sm.filtered.log_likelihood, grad
 
-    if scan.parallel or not (steady_state and _may_settle(problem)):
+    if scan.parallel or not (steady_state and may_settle(problem)):
         return fisher()
     # complete data (`W` one matrix), time-invariant model: plain autodiff through
     # the steady-state filter, cheaper than the smoother, when its covariance
@@ -125,7 +117,7 @@ def _value_and_cotangent(problem: _Problem, scan: AbstractScan, kf: "KalmanFilte
 
 @full_precision
 def fisher_log_likelihood(
-    kf: "KalmanFilter", ys: Array, us: Array | None, scan: AbstractScan
+    model: Model, ys: Array, us: Array | None, scan: AbstractScan
 ) -> Array:
     """The log-likelihood, differentiated by Fisher's identity (a custom JVP).
 
@@ -135,7 +127,8 @@ def fisher_log_likelihood(
     controls; so reverse mode transposes a linear map. Differentiating `g` again
     (Hessians) goes through the smoother by plain autodiff.
     """
-    params, static = eqx.partition(kf, eqx.is_inexact_array)
+    params, static = eqx.partition(model, eqx.is_inexact_array)
+    switches = dict(steady_state=model.steady_state, square_root=model.square_root)
 
     @jax.custom_jvp
     def log_likelihood(params, ys, us):
@@ -157,7 +150,7 @@ def fisher_log_likelihood(
                 ys,
                 us,
             )
-            value, cotangent = _value_and_cotangent(problem, scan, kf)
+            value, cotangent = _value_and_cotangent(problem, scan, **switches)
             return value, pullback(cotangent)
 
         value, grads = by_whitening(ys, scan, value_and_grads)

@@ -1,4 +1,5 @@
-"""`KalmanFilter`: the layer and its compiled entry points."""
+"""`KalmanFilter`: the layer, its methods and their compiled entry points. The
+algorithms below it take the model in computational form (`_model.Model`)."""
 
 from typing import Any
 
@@ -9,30 +10,52 @@ from jaxtyping import Array, ArrayLike, Float, PRNGKeyArray
 
 from .._misc import check_parameter_dtype, check_positive_int
 from .._scan import AbstractScan, AutoScan
-from ._checks import check_length, controls, inputs, not_diffuse
 from ._dispatch import backend, filter_, smooth
-from ._em import fit_em
-from ._em_spec import check_fit_em
+from ._em import check_fit_em, fit_em, from_filter_spec
 from ._fisher import fisher_log_likelihood
-from ._initial import check_options, Initialization, prior, PriorAt
-from ._linalg import _factor, _gram
-from ._parameters import _Parameters, parameters_from_matrices, random_parameters
-from ._predictive import _Predictive
-from ._results import (
+from ._linalg import factor, gram
+from ._model import (
+    check_length,
+    check_options,
+    controls,
+    Initialization,
+    inputs,
     KalmanFilterResult,
+    KalmanForecastResult,
     KalmanSmootherResult,
+    KalmanState,
+    Model,
+    model_of,
+    not_diffuse,
+    Parameters,
+    parameters_from_matrices,
+    prior,
+    PriorAt,
+    random_parameters,
+    splits_time,
 )
-from ._sample import sample_prior
+from ._predictive import (
+    check_control,
+    check_forecast,
+    check_state,
+    check_streamable,
+    check_vector,
+    forecast,
+    init_state,
+    posterior_sample,
+    predict_state,
+    sample_prior,
+    update_state,
+)
 from ._sharded import (
     check_sharded,
     filter_sharded,
     log_likelihood_sharded,
     smooth_sharded,
-    splits_time,
 )
 
 
-class KalmanFilter(_Predictive):
+class KalmanFilter(eqx.Module):
     r"""A linear-Gaussian state-space model: Kalman filter, RTS smoother, sampler.
 
     The model, for steps `t = 1, ..., T` (row `t - 1` of every array), starting
@@ -104,7 +127,7 @@ class KalmanFilter(_Predictive):
         initialization: Initialization = "known",
         dtype: Any = None,
         key: PRNGKeyArray,
-        _parameters: _Parameters | None = None,
+        _parameters: Parameters | None = None,
         _steady_state: bool = True,
         _square_root: bool = True,
     ):
@@ -220,13 +243,24 @@ class KalmanFilter(_Predictive):
             _parameters=params,
         )
 
-    def _with_private(self, **private: bool) -> "KalmanFilter":
-        """The same model with the private switches (`_steady_state`,
-        `_square_root`) changed, for the comparisons of the tests and benchmarks."""
-        params = _Parameters(
+    def _params(self) -> Parameters:
+        """The parameters, without the options."""
+        return Parameters(
             self.F, self.H, self.B, self.D, self.m0, self.Q_factor, self.R_factor,
             self.P0_factor, self.num_steps,
         )  # fmt: skip
+
+    def _model(self) -> Model:
+        """The model in computational form, which the algorithms take."""
+        return model_of(
+            self._params(), self.prior_at, self.initialization,
+            steady_state=self._steady_state, square_root=self._square_root,
+        )  # fmt: skip
+
+    def _with_private(self, **private: bool) -> "KalmanFilter":
+        """The same model with the private switches (`_steady_state`,
+        `_square_root`) changed, for the comparisons of the tests and benchmarks."""
+        params = self._params()
         switches = {"_steady_state": self._steady_state}
         switches["_square_root"] = self._square_root
         return KalmanFilter(
@@ -241,12 +275,12 @@ class KalmanFilter(_Predictive):
     @property
     def Q(self) -> Float[Array, "*T n n"]:
         """The transition noise covariance `Q = L L^T` (from `Q_factor`)."""
-        return _gram(_factor(self.Q_factor))
+        return gram(factor(self.Q_factor))
 
     @property
     def R(self) -> Float[Array, "*T p p"]:
         """The observation noise covariance `R = L L^T` (from `R_factor`)."""
-        return _gram(_factor(self.R_factor))
+        return gram(factor(self.R_factor))
 
     @property
     def P0(self) -> Float[Array, "n n"]:
@@ -256,7 +290,7 @@ class KalmanFilter(_Predictive):
         if self.initialization == "diffuse":
             n = self.state_size
             return jnp.diag(jnp.full((n,), jnp.inf, self.m0.dtype))
-        return _gram(prior(self)[1])
+        return gram(prior(self._params(), self.initialization)[1])
 
     # --- inference ---
 
@@ -302,7 +336,7 @@ class KalmanFilter(_Predictive):
         A [`eqx_seq.KalmanFilterResult`][]: filtered and predicted means and
         covariances, per-step log-likelihoods and their sum.
         """
-        ys, us = inputs(self, ys, us, "filter")
+        ys, us = inputs(self._params(), self.scan, ys, us, "filter")
         return _filter_jit(self, ys, us)
 
     @jax.named_scope("eqx_seq.KalmanFilter.log_likelihood")
@@ -328,7 +362,7 @@ class KalmanFilter(_Predictive):
         filter and one smoother. `filter(ys).log_likelihood` is the same number with
         plain autodiff through the filter.
         """
-        ys, us = inputs(self, ys, us, "log_likelihood")
+        ys, us = inputs(self._params(), self.scan, ys, us, "log_likelihood")
         return _log_likelihood_jit(self, ys, us)
 
     @jax.named_scope("eqx_seq.KalmanFilter.smooth")
@@ -354,8 +388,8 @@ class KalmanFilter(_Predictive):
         A [`eqx_seq.KalmanSmootherResult`][]: smoothed means and covariances,
         lag-one cross-covariances, and the filter's result.
         """
-        ys, us = inputs(self, ys, us, "smooth")
-        not_diffuse(self, "smooth")
+        ys, us = inputs(self._params(), self.scan, ys, us, "smooth")
+        not_diffuse(self.initialization, "smooth")
         return _smooth_jit(self, ys, us)
 
     @jax.named_scope("eqx_seq.KalmanFilter.sample")
@@ -385,9 +419,9 @@ class KalmanFilter(_Predictive):
                 "eqx_seq.KalmanFilter.sample: a diffuse prior (initialization="
                 '"diffuse") has no draws; use "known" or "stationary".'
             )
-        check_length(self, num_steps, "sample")
-        us = controls(self, us, num_steps, "sample")
-        return sample_prior(self, key, num_steps, us)
+        check_length(self._params(), num_steps, "sample")
+        us = controls(self._params(), us, num_steps, "sample")
+        return _sample_jit(self, key, num_steps, us)
 
     @jax.named_scope("eqx_seq.KalmanFilter.fit_em")
     def fit_em(
@@ -437,31 +471,235 @@ class KalmanFilter(_Predictive):
         when `ys` is traced, a `RuntimeError` at run time); `NotImplementedError`
         with `initialization="diffuse"`. See `docs/usage/kalman.md`.
         """
-        not_diffuse(self, "fit_em")  # the E-step is the smoother
+        not_diffuse(self.initialization, "fit_em")  # the E-step is the smoother
         scan = backend(self.scan, caller="fit_em")
-        ys, us, spec = check_fit_em(self, ys, us, num_iters, fixed)
-        return fit_em(self, ys, us, num_iters, spec, scan)
+        params = self._params()
+        if isinstance(fixed, KalmanFilter):
+            fixed = from_filter_spec(params, fixed._params())
+        ys, us, spec = check_fit_em(
+            params, self.scan, ys, us, num_iters, fixed, self.prior_at,
+            self.initialization,
+        )  # fmt: skip
+        new, lls = fit_em(
+            params, ys, us, num_iters, spec, scan, prior_at=self.prior_at,
+            initialization=self.initialization, steady_state=self._steady_state,
+        )  # fmt: skip
+        names = [k for k in new._fields if eqx.is_array(getattr(new, k))]
+        fitted = eqx.tree_at(
+            lambda kf: [getattr(kf, k) for k in names],
+            self,
+            [getattr(new, k) for k in names],
+        )
+        return fitted, lls
+
+    # --- prediction ---
+
+    @jax.named_scope("eqx_seq.KalmanFilter.forecast")
+    def forecast(
+        self,
+        ys: Float[ArrayLike, "T p"],
+        horizon: int,
+        *,
+        us: Float[ArrayLike, "T_all c"] | None = None,
+    ) -> KalmanForecastResult:
+        """Forecast the states and observations of the `horizon` steps after `ys`.
+
+        The exact predictive distributions: the filter's prediction step iterated
+        from the last filtered moments, with the observation noise `R` in the
+        observations' covariances.
+
+        **Arguments:**
+
+        - `ys`: observations, shape `(T, obs_size)`; NaN marks a missing entry.
+        - `horizon`: the number of steps to forecast, an int `>= 0`.
+        - `us`: controls, iff `control_size > 0`: those of the data's steps and
+            then of the forecast's, shape `(T + horizon, control_size)`.
+
+        **Returns:**
+
+        A [`eqx_seq.KalmanForecastResult`][]: `p(x_{T+h} | y_1..y_T)` and
+        `p(y_{T+h} | y_1..y_T)` for `h = 1..horizon`.
+
+        A time-varying model has matrices for its `num_steps` steps only: with it,
+        `ys` may be shorter than `num_steps`, and `T + horizon <= num_steps`.
+        """
+        backend(self.scan, caller="forecast")
+        ys, us = check_forecast(self._params(), ys, us, horizon)
+        return _forecast_jit(self, ys, us, horizon)
+
+    @jax.named_scope("eqx_seq.KalmanFilter.posterior_sample")
+    def posterior_sample(
+        self,
+        key: PRNGKeyArray,
+        ys: Float[ArrayLike, "T p"],
+        num_samples: int,
+        *,
+        us: Float[ArrayLike, "T c"] | None = None,
+    ) -> Float[Array, "num_samples T n"]:
+        """Draw state paths from the posterior `p(x_1..x_T | y_1..y_T)`.
+
+        Forward filtering, backward sampling (Frühwirth-Schnatter 1994; Carter &
+        Kohn 1994): backwards from `x_T`, each `x_t` is drawn given `x_{t+1}` and
+        the filtered moments of step `t`. A parallel backend composes these affine
+        draws with its `associative_scan`. The filter runs once for all samples.
+
+        **Arguments:**
+
+        - `key`: a `jax.random.key`.
+        - `ys`: observations, shape `(T, obs_size)`; NaN marks a missing entry.
+        - `num_samples`: the number of paths, an int `>= 1`.
+        - `us`: controls, shape `(T, control_size)`, iff `control_size > 0`.
+
+        **Returns:**
+
+        The paths `x_1..x_T`, shape `(num_samples, T, state_size)`.
+        """
+        check_positive_int("num_samples", num_samples)
+        backend(self.scan, caller="posterior_sample")
+        ys, us = inputs(self._params(), self.scan, ys, us, "posterior_sample")
+        not_diffuse(self.initialization, "posterior_sample")
+        return _posterior_sample_jit(self, key, ys, us, num_samples)
+
+    def init_state(self) -> KalmanState:
+        """The state to start online filtering from: the prior and a log-likelihood
+        of zero.
+
+        With `prior_at="x0"` the prior is the law of `x_0`, before the first
+        observation: every step `t` is `state = kf.predict(state)` then `state =
+        kf.update(state, y_t)`. With `prior_at="x1"` it is the law of `x_1`: the
+        first call is `update` (with `y_1`), then `predict` and `update` for every
+        later step. Either way the states are those of
+        [`eqx_seq.KalmanFilter.filter`][], step by step. With
+        `initialization="stationary"` the prior is the stationary law.
+
+        **Returns:**
+
+        An [`eqx_seq.KalmanState`][].
+
+        **Raises:**
+
+        `ValueError` for a time-varying model, whose matrices belong to given
+        steps (filter it as a whole sequence); `NotImplementedError` with
+        `initialization="diffuse"`.
+        """
+        check_streamable(self._params(), self.initialization, "init_state")
+        return _init_state_jit(self)
+
+    def predict(
+        self,
+        state: KalmanState,
+        *,
+        u: Float[ArrayLike, " c"] | None = None,
+    ) -> KalmanState:
+        """One transition of online filtering: `x_t = F x_{t-1} + B u_t + q_t`.
+
+        **Arguments:**
+
+        - `state`: an [`eqx_seq.KalmanState`][], about `x_{t-1}`.
+        - `u`: the controls `u_t`, shape `(control_size,)`, iff
+            `control_size > 0`.
+
+        **Returns:**
+
+        The predicted state, about `x_t` given the same observations; its
+        `log_likelihood` is unchanged.
+        """
+        params = self._params()
+        check_streamable(params, self.initialization, "predict")
+        state = check_state(params, state, "predict")
+        return _predict_jit(self, state, check_control(params, u, "predict"))
+
+    def update(
+        self,
+        state: KalmanState,
+        y: Float[ArrayLike, " p"],
+        *,
+        u: Float[ArrayLike, " c"] | None = None,
+    ) -> KalmanState:
+        """Condition the state of online filtering on one observation `y_t`.
+
+        **Arguments:**
+
+        - `state`: an [`eqx_seq.KalmanState`][], the prediction of `x_t`.
+        - `y`: the observation `y_t`, shape `(obs_size,)`; NaN marks a missing
+            entry (a step with none leaves the state as it is).
+        - `u`: the controls `u_t` (for `D u_t`), shape `(control_size,)`, iff
+            `control_size > 0`.
+
+        **Returns:**
+
+        The filtered state, about `x_t` given the observations up to `y_t`, its
+        `log_likelihood` increased by `log p(y_t | y_1..y_{t-1})`.
+        """
+        params = self._params()
+        check_streamable(params, self.initialization, "update")
+        state = check_state(params, state, "update")
+        y = check_vector(params, y, "y", self.obs_size, "update")
+        return _update_jit(self, state, y, check_control(params, u, "update"))
+
+
+# --- the compiled entry points: the model in computational form, and the algorithm
+# the backend runs ---
 
 
 @eqx.filter_jit
 def _filter_jit(kf: KalmanFilter, ys: Array, us: Array | None) -> KalmanFilterResult:
+    model = kf._model()
     if splits_time(kf.scan):
-        return filter_sharded(kf, ys, us, kf.scan)
-    return filter_(kf, ys, us, backend(kf.scan))
+        return filter_sharded(model, ys, us, kf.scan)
+    return filter_(model, ys, us, backend(kf.scan))
 
 
 @eqx.filter_jit
 def _smooth_jit(kf: KalmanFilter, ys: Array, us: Array | None) -> KalmanSmootherResult:
+    model = kf._model()
     if splits_time(kf.scan):
-        return smooth_sharded(kf, ys, us, kf.scan)
-    return smooth(kf, ys, us, backend(kf.scan))
+        return smooth_sharded(model, ys, us, kf.scan)
+    return smooth(model, ys, us, backend(kf.scan))
 
 
 @eqx.filter_jit
 def _log_likelihood_jit(kf: KalmanFilter, ys: Array, us: Array | None) -> Array:
+    model = kf._model()
     if splits_time(kf.scan):  # differentiated by plain autodiff
-        return log_likelihood_sharded(kf, ys, us, kf.scan)
+        return log_likelihood_sharded(model, ys, us, kf.scan)
     if kf.initialization == "diffuse":
         # Fisher's identity needs the smoother, which has no diffuse form here
-        return filter_(kf, ys, us, backend(kf.scan)).log_likelihood
-    return fisher_log_likelihood(kf, ys, us, backend(kf.scan))
+        return filter_(model, ys, us, backend(kf.scan)).log_likelihood
+    return fisher_log_likelihood(model, ys, us, backend(kf.scan))
+
+
+@eqx.filter_jit
+def _sample_jit(kf: KalmanFilter, key, num_steps: int, us: Array | None):
+    return sample_prior(kf._model(), key, num_steps, us)
+
+
+@eqx.filter_jit
+def _forecast_jit(
+    kf: KalmanFilter, ys: Array, us: Array | None, horizon: int
+) -> KalmanForecastResult:
+    return forecast(kf._model(), ys, us, horizon, kf.scan)
+
+
+@eqx.filter_jit
+def _posterior_sample_jit(
+    kf: KalmanFilter, key: PRNGKeyArray, ys: Array, us: Array | None, num_samples: int
+) -> Array:
+    return posterior_sample(kf._model(), key, ys, us, num_samples, kf.scan)
+
+
+@eqx.filter_jit
+def _init_state_jit(kf: KalmanFilter) -> KalmanState:
+    return init_state(kf._model())
+
+
+@eqx.filter_jit
+def _predict_jit(kf: KalmanFilter, state: KalmanState, u: Array | None) -> KalmanState:
+    return predict_state(kf._model(), state, u)
+
+
+@eqx.filter_jit
+def _update_jit(
+    kf: KalmanFilter, state: KalmanState, y: Array, u: Array | None
+) -> KalmanState:
+    return update_state(kf._model(), state, y, u)

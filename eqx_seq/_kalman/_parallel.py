@@ -14,29 +14,29 @@ import jax.scipy.linalg as jsl
 from jaxtyping import Array
 
 from .._scan import AbstractScan
+from ._filter import (
+    first_factor,
+    first_prediction,
+    predict,
+    predicted_covs,
+    update,
+)
 from ._linalg import (
-    _cho_solve,
-    _chol,
-    _gram,
-    _mT,
-    _sym,
+    cho_solve,
+    chol,
+    gram,
+    mT,
+    sqrt_update,
+    sym,
     tria,
     tria_gram,
     tril_inverse_by_rows,
+    whitened_log_density,
 )
-from ._problem import _per_step, _Problem
-from ._results import _filter_result, KalmanFilterResult
-from ._sqrt import sqrt_update, whitened_log_density
-from ._step import (
-    _predict,
-    _predicted_covs,
-    _update,
-    first_factor,
-    first_prediction,
-)
+from ._model import filter_result, KalmanFilterResult, per_step, Problem
 
 
-def _filter_elements(problem: _Problem):
+def _filter_elements(problem: Problem):
     """Särkkä & García-Fernández filtering elements `(A, b, C, eta, J)`, all steps
     (covariance form).
 
@@ -49,7 +49,7 @@ def _filter_elements(problem: _Problem):
     n = model.m0.shape[0]
     dtype = yw.dtype
     F = jnp.broadcast_to(model.F, (T, n, n))
-    Q = jnp.broadcast_to(_gram(model.L_Q), (T, n, n))
+    Q = jnp.broadcast_to(gram(model.L_Q), (T, n, n))
     mu = jnp.zeros((T, n), dtype) if c is None else c
     Hw = problem.Hw
     # step 1: the prediction of x_1 from the prior, and no dependence on x_0
@@ -60,17 +60,17 @@ def _filter_elements(problem: _Problem):
 
     def element(F, mu, Sigma, Hw, y):
         HS = Hw @ Sigma
-        S = _sym(HS @ Hw.T) + jnp.eye(p, dtype=dtype)  # eigenvalues >= 1
+        S = sym(HS @ Hw.T) + jnp.eye(p, dtype=dtype)  # eigenvalues >= 1
         L_S = jnp.linalg.cholesky(S)
-        Kt = _cho_solve(L_S, HS)  # K^T = S^{-1} H Sigma
+        Kt = cho_solve(L_S, HS)  # K^T = S^{-1} H Sigma
         HF = Hw @ F
         v = y - Hw @ mu
         A = F - Kt.T @ HF
         b = mu + Kt.T @ v
-        C = _sym(Sigma - Kt.T @ HS)
-        Sinv_HF = _cho_solve(L_S, HF)
-        eta = HF.T @ _cho_solve(L_S, v[:, None])[:, 0]
-        J = _sym(HF.T @ Sinv_HF)
+        C = sym(Sigma - Kt.T @ HS)
+        Sinv_HF = cho_solve(L_S, HF)
+        eta = HF.T @ cho_solve(L_S, v[:, None])[:, 0]
+        J = sym(HF.T @ Sinv_HF)
         return A, b, C, eta, J
 
     return jax.vmap(element)(F, mu, Sigma, Hw, yw)
@@ -89,9 +89,9 @@ def _combine_filter(earlier, later):
     A_j, b_j, C_j, eta_j, J_j = later
     n = b_i.shape[-1]
     eye = jnp.eye(n, dtype=b_i.dtype)
-    U = _chol(C_i)
+    U = chol(C_i)
     UtJ = U.T @ J_j
-    L_W = jnp.linalg.cholesky(_sym(eye + UtJ @ U))
+    L_W = jnp.linalg.cholesky(sym(eye + UtJ @ U))
     Z = jsl.solve_triangular(L_W, UtJ, lower=True)  # L_W^{-1} U^T J_j
     V = jsl.solve_triangular(L_W, U.T, lower=True)  # L_W^{-1} U^T
     M = eye - V.T @ Z  # (I + C_i J_j)^{-1}
@@ -99,13 +99,13 @@ def _combine_filter(earlier, later):
     A = A_j_M @ A_i
     b = A_j_M @ (b_i + C_i @ eta_j) + b_j
     AV = A_j @ V.T
-    C = _sym(AV @ AV.T + C_j)
+    C = sym(AV @ AV.T + C_j)
     eta = A_i.T @ (M.T @ (eta_j - J_j @ b_i)) + eta_i
-    J = _sym(A_i.T @ (J_j - Z.T @ Z) @ A_i + J_i)
+    J = sym(A_i.T @ (J_j - Z.T @ Z) @ A_i + J_i)
     return A, b, C, eta, J
 
 
-def _transitions(problem: _Problem):
+def _transitions(problem: Problem):
     """Every step's `F`, `mu` (the control's `B u`) and the factor of the noise
     covariance `Sigma` given `x_{t-1}`; step 1 with the prior folded in (no
     dependence on `x_0`: `F = 0`, and the prediction of `x_1`, `first_factor`)."""
@@ -149,13 +149,13 @@ def _sqrt_element(F: Array, mu: Array, L: Array, Hw: Array, y: Array):
     return F - K @ HF, mu + K @ v, X[p:, p:], eta, Z
 
 
-def _sqrt_elements(problem: _Problem):
+def _sqrt_elements(problem: Problem):
     """The filtering elements (`_sqrt_element`) of every step."""
     F, mu, L_Sigma = _transitions(problem)
     return jax.vmap(_sqrt_element)(F, mu, L_Sigma, problem.Hw, problem.yw)
 
 
-def _sqrt_combine(earlier, later):
+def sqrt_combine(earlier, later):
     """`p(x_k | x_i, y_{i+1..k})` from the elements over `(i, j]` and `(j, k]`.
 
     With `B = U_i^T Z_j`, `Xi = tria([B, I])` (`Xi Xi^T = I + U_i^T J_j U_i`) and
@@ -173,7 +173,7 @@ def _sqrt_combine(earlier, later):
     n = b_i.shape[-1]
     eye = jnp.eye(n, dtype=b_i.dtype)
     B = U_i.T @ Z_j
-    V = U_i @ _mT(tril_inverse_by_rows(tria(jnp.concatenate([B, eye], axis=1))))
+    V = U_i @ mT(tril_inverse_by_rows(tria(jnp.concatenate([B, eye], axis=1))))
     G_inv = tril_inverse_by_rows(tria(jnp.concatenate([eye, B.T], axis=1)))
     r = eta_j - Z_j @ (Z_j.T @ b_i)  # eta_j - J_j b_i
     Vr = V @ (V.T @ r)
@@ -185,7 +185,7 @@ def _sqrt_combine(earlier, later):
     return A, b, U, eta, Z
 
 
-def _log_likelihoods(problem: _Problem, ms, Ls):
+def _log_likelihoods(problem: Problem, ms, Ls):
     """Every step's predicted mean and log-density from the previous step's
     filtered mean and factor (step 1's from the prior), batched (the module
     docstring)."""
@@ -212,38 +212,38 @@ def _log_likelihoods(problem: _Problem, ms, Ls):
 
 
 def filter_parallel(
-    problem: _Problem, scan: AbstractScan, *, square_root: bool = True
+    problem: Problem, scan: AbstractScan, *, square_root: bool = True
 ) -> tuple[KalmanFilterResult, Array]:
     """The filter as `scan.associative_scan` over the elements, and the filtered
     covariances' factors (for the smoother)."""
     model = problem.model
     if square_root:
         elements = _sqrt_elements(problem)
-        _, ms, Ls, _, _ = scan.associative_scan(jax.vmap(_sqrt_combine), elements)
+        _, ms, Ls, _, _ = scan.associative_scan(jax.vmap(sqrt_combine), elements)
         # the log-likelihood from the filtered states, after the scan (module doc)
         mps, lls = _log_likelihoods(problem, ms, Ls)
-        Ps = _sym(Ls @ _mT(Ls))
-        Pps = _predicted_covs(model, Ps)
+        Ps = sym(Ls @ mT(Ls))
+        Pps = predicted_covs(model, Ps)
     else:
         elements = _filter_elements(problem)
         _, ms, Ps, _, _ = scan.associative_scan(jax.vmap(_combine_filter), elements)
         mps, Pps = _predictions(problem, ms, Ps)
-        _, _, lls, _ = jax.vmap(_update)(mps, Pps, problem.yw, problem.Hw, problem.obs)
-        Ls = _chol(Ps)
-    return _filter_result(ms, Ps, mps, Pps, lls, problem.logdet), Ls
+        _, _, lls, _ = jax.vmap(update)(mps, Pps, problem.yw, problem.Hw, problem.obs)
+        Ls = chol(Ps)
+    return filter_result(ms, Ps, mps, Pps, lls, problem.logdet), Ls
 
 
-def _predictions(problem: _Problem, ms, Ps):
+def _predictions(problem: Problem, ms, Ps):
     """One-step predictions of every step from the filtered moments of the previous
     (covariance form)."""
     model, c = problem.model, problem.c
     m1, P1 = first_prediction(model, c)
     if ms.shape[0] == 1:
         return m1[None], P1[None]
-    F_ax = 0 if _per_step(model.F, 2) else None
-    Q_ax = 0 if _per_step(model.L_Q, 2) else None
+    F_ax = 0 if per_step(model.F, 2) else None
+    Q_ax = 0 if per_step(model.L_Q, 2) else None
     c_ax = None if c is None else 0
-    mps, Pps = jax.vmap(_predict, in_axes=(0, 0, F_ax, Q_ax, c_ax))(
+    mps, Pps = jax.vmap(predict, in_axes=(0, 0, F_ax, Q_ax, c_ax))(
         ms[:-1],
         Ps[:-1],
         model.F[1:] if F_ax == 0 else model.F,

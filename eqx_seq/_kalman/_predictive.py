@@ -1,168 +1,320 @@
-"""The predictive methods of `KalmanFilter`: forecasts, posterior samples and online
-filtering, in a base class so that the layer's file keeps its size."""
+"""The predictive side of the model: forecasts, draws of the posterior's state
+paths and of the model itself, and online filtering, as functions of a model
+(`_model.Model`); the layer's methods check their inputs and compile them."""
+
+from typing import Any
 
 import equinox as eqx
 import jax
-from jaxtyping import Array, ArrayLike, Float, PRNGKeyArray
+import jax.lax as lax
+import jax.numpy as jnp
+import jax.random as jr
+from jaxtyping import Array, PRNGKeyArray
 
-from .._misc import check_positive_int
-from ._checks import inputs, not_diffuse
-from ._dispatch import backend
-from ._forecast import check_forecast, forecast
-from ._posterior_sample import posterior_sample
-from ._results import KalmanForecastResult, KalmanState
-from ._streaming import (
-    check_control,
-    check_state,
-    check_streamable,
-    check_vector,
-    init_state,
-    predict,
-    update,
+from .._misc import full_precision
+from .._scan import AbstractScan
+from ._dispatch import backend, filter_
+from ._filter import predict
+from ._linalg import (
+    cholesky,
+    gram,
+    jittered,
+    mm,
+    mv,
+    sandwich,
+    sqrt_update,
+    sym,
+    tria,
+    whitened_log_density,
 )
+from ._model import (
+    controls,
+    KalmanForecastResult,
+    KalmanState,
+    Model,
+    observations,
+    Parameters,
+    per_step,
+    prepare,
+)
+from ._smoother import combine, smoother_elements
 
 
-class _Predictive(eqx.Module):
-    """`KalmanFilter`'s `forecast`, `posterior_sample`, `init_state`, `predict` and
-    `update`; no fields of its own (`KalmanFilter` holds them)."""
+# --- forecasts ---
+#
+# Forecasts: the predictive distributions of the states and observations after the
+# data, by iterating the filter's prediction step from the last filtered moments.
 
-    @jax.named_scope("eqx_seq.KalmanFilter.forecast")
-    def forecast(
-        self,
-        ys: Float[ArrayLike, "T p"],
-        horizon: int,
-        *,
-        us: Float[ArrayLike, "T_all c"] | None = None,
-    ) -> KalmanForecastResult:
-        """Forecast the states and observations of the `horizon` steps after `ys`.
 
-        The exact predictive distributions: the filter's prediction step iterated
-        from the last filtered moments, with the observation noise `R` in the
-        observations' covariances.
+def check_forecast(
+    params: Parameters, ys: Any, us: Any, horizon: Any
+) -> tuple[Array, Array | None]:
+    """`ys` and `us` checked and cast, or a `ValueError` that says what is wrong."""
+    where = "eqx_seq.KalmanFilter.forecast"
+    if not isinstance(horizon, int) or isinstance(horizon, bool) or horizon < 0:
+        raise ValueError(
+            f"{where}: `horizon` must be a non-negative int, got {horizon!r}."
+        )
+    ys = observations(params, ys, "forecast")
+    T = ys.shape[0]
+    if params.num_steps is not None and T + horizon > params.num_steps:
+        raise ValueError(
+            f"{where}: this model is time-varying with {params.num_steps} steps, so it "
+            f"cannot forecast past them: T + horizon = {T} + {horizon} > "
+            f"{params.num_steps}."
+        )
+    if us is not None and horizon and jnp.shape(us)[:1] == (T,):
+        raise ValueError(
+            f"{where}: `us` must also hold the controls of the forecast steps: "
+            f"shape (T + horizon, control_size) = ({T + horizon}, "
+            f"{params.control_size}), got {jnp.shape(us)}."
+        )
+    return ys, controls(params, us, T + horizon, "forecast")
 
-        **Arguments:**
 
-        - `ys`: observations, shape `(T, obs_size)`; NaN marks a missing entry.
-        - `horizon`: the number of steps to forecast, an int `>= 0`.
-        - `us`: controls, iff `control_size > 0`: those of the data's steps and
-            then of the forecast's, shape `(T + horizon, control_size)`.
+def _steps(model: Model, start: int, stop: int) -> Model:
+    """`model` with its time-varying matrices cut to the steps `start + 1..stop`."""
+    names = [k for k in ("F", "H", "L_Q", "L_R") if getattr(model, k).ndim == 3]
+    if not names:
+        return model
+    return eqx.tree_at(
+        lambda k: [getattr(k, name) for name in names],
+        model,
+        [getattr(model, name)[start:stop] for name in names],
+    )
 
-        **Returns:**
 
-        A [`eqx_seq.KalmanForecastResult`][]: `p(x_{T+h} | y_1..y_T)` and
-        `p(y_{T+h} | y_1..y_T)` for `h = 1..horizon`.
+@full_precision
+def forecast(
+    model: Model,
+    ys: Array,
+    us: Array | None,
+    horizon: int,
+    scan: AbstractScan,
+) -> KalmanForecastResult:
+    """The forecast of `model` for `horizon` steps after `ys` (checked; `us` holds
+    the controls of the data's steps and then of the forecast's)."""
+    scan = backend(scan, caller="forecast")
+    T = ys.shape[0]
+    filtered = filter_(_steps(model, 0, T), ys, None if us is None else us[:T], scan)
+    ahead = _steps(model, T, T + horizon)
+    # the matrices that vary come in per step; the others are closed over
+    mats = {"F": ahead.F, "L_Q": ahead.L_Q, "H": ahead.H, "L_R": ahead.L_R}
+    xs = {name: x for name, x in mats.items() if per_step(x, 2)}
+    if us is not None:
+        xs["c"] = us[T:] @ model.B.T
+        xs["d"] = us[T:] @ model.D.T
 
-        A time-varying model has matrices for its `num_steps` steps only: with it,
-        `ys` may be shorter than `num_steps`, and `T + horizon <= num_steps`.
-        """
-        backend(self.scan, caller="forecast")
-        ys, us = check_forecast(self, ys, us, horizon)
-        return forecast(self, ys, us, horizon)
+    def step(carry, x):
+        get = lambda name: x[name] if name in x else mats[name]
+        m, P = predict(*carry, get("F"), get("L_Q"), x.get("c"))
+        H = get("H")
+        y = mv(H, m)
+        if "d" in x:
+            y = y + x["d"]
+        S = sym(sandwich(H, P) + gram(get("L_R")))
+        return (m, P), (m, P, y, S)
 
-    @jax.named_scope("eqx_seq.KalmanFilter.posterior_sample")
-    def posterior_sample(
-        self,
-        key: PRNGKeyArray,
-        ys: Float[ArrayLike, "T p"],
-        num_samples: int,
-        *,
-        us: Float[ArrayLike, "T c"] | None = None,
-    ) -> Float[Array, "num_samples T n"]:
-        """Draw state paths from the posterior `p(x_1..x_T | y_1..y_T)`.
+    init = (filtered.means[-1], filtered.covs[-1])
+    _, (ms, Ps, y, S) = lax.scan(step, init, xs, length=horizon)
+    return KalmanForecastResult(ms, Ps, y, S)
 
-        Forward filtering, backward sampling (Frühwirth-Schnatter 1994; Carter &
-        Kohn 1994): backwards from `x_T`, each `x_t` is drawn given `x_{t+1}` and
-        the filtered moments of step `t`. A parallel backend composes these affine
-        draws with its `associative_scan`. The filter runs once for all samples.
 
-        **Arguments:**
+# --- posterior samples ---
+#
+# Draws of the whole state path from `p(x_1..x_T | y_1..y_T)`: forward filtering,
+# backward sampling (Frühwirth-Schnatter 1994; Carter & Kohn 1994).
+#
+# Backwards, `x_t | x_{t+1}, y_1..y_t ~ N(E_t x_{t+1} + g_t, L_t)` (the RTS elements
+# of `smoother_elements`; `x_T ~ N(m_T, P_T)`). With the noise drawn
+# first, `x_t = E_t x_{t+1} + g_t + chol(L_t) eps_t` is an affine recursion: a
+# backward `lax.scan` on a sequential backend, and on a parallel one the composition
+# of the affine maps by the backend's `associative_scan` (the smoother's combine,
+# whose covariance part then carries the smoothed covariances along unused).
 
-        - `key`: a `jax.random.key`.
-        - `ys`: observations, shape `(T, obs_size)`; NaN marks a missing entry.
-        - `num_samples`: the number of paths, an int `>= 1`.
-        - `us`: controls, shape `(T, control_size)`, iff `control_size > 0`.
 
-        **Returns:**
+@full_precision
+def posterior_sample(
+    model: Model,
+    key: PRNGKeyArray,
+    ys: Array,
+    us: Array | None,
+    num_samples: int,
+    scan: AbstractScan,
+) -> Array:
+    """`num_samples` paths `x_1..x_T` given `ys` and `us` (checked), shape
+    `(num_samples, T, n)`; the filter and the elements are computed once."""
+    scan = backend(scan, caller="posterior_sample")
+    filtered = filter_(model, ys, us, scan)
+    E, g, L = smoother_elements(model, filtered)
+    # every L_t is positive definite (Q and P_t are); factored without LAPACK,
+    # whose call batched over the steps can deadlock (`_linalg`)
+    C = cholesky(jittered(L))
+    T, n = g.shape
+    eps = jr.normal(key, (num_samples, T, n), g.dtype)
 
-        The paths `x_1..x_T`, shape `(num_samples, T, state_size)`.
-        """
-        check_positive_int("num_samples", num_samples)
-        backend(self.scan, caller="posterior_sample")
-        ys, us = inputs(self, ys, us, "posterior_sample")
-        not_diffuse(self, "posterior_sample")
-        return posterior_sample(self, key, ys, us, num_samples)
+    def one(eps):
+        w = g + jnp.einsum("tij,tj->ti", C, eps)
+        if scan.parallel:
+            # a reverse scan composes step t's map after those of t+1..T
+            _, xs, _ = scan.associative_scan(jax.vmap(combine), (E, w, L), reverse=True)
+            return xs
 
-    def init_state(self) -> KalmanState:
-        """The state to start online filtering from: the prior and a log-likelihood
-        of zero.
+        def step(x_next, e):
+            E_t, w_t = e
+            x = E_t @ x_next + w_t
+            return x, x
 
-        With `prior_at="x0"` the prior is the law of `x_0`, before the first
-        observation: every step `t` is `state = kf.predict(state)` then `state =
-        kf.update(state, y_t)`. With `prior_at="x1"` it is the law of `x_1`: the
-        first call is `update` (with `y_1`), then `predict` and `update` for every
-        later step. Either way the states are those of
-        [`eqx_seq.KalmanFilter.filter`][], step by step. With
-        `initialization="stationary"` the prior is the stationary law.
+        # E_T = 0: the first step back draws x_T from the last filtered moments
+        _, xs = lax.scan(step, jnp.zeros_like(w[0]), (E, w), reverse=True)
+        return xs
 
-        **Returns:**
+    return jax.vmap(one)(eps)
 
-        An [`eqx_seq.KalmanState`][].
 
-        **Raises:**
+# --- draws of states and observations from the model (`KalmanFilter.sample`) ---
 
-        `ValueError` for a time-varying model, whose matrices belong to given
-        steps (filter it as a whole sequence); `NotImplementedError` with
-        `initialization="diffuse"`.
-        """
-        check_streamable(self, "init_state")
-        return init_state(self)
 
-    def predict(
-        self,
-        state: KalmanState,
-        *,
-        u: Float[ArrayLike, " c"] | None = None,
-    ) -> KalmanState:
-        """One transition of online filtering: `x_t = F x_{t-1} + B u_t + q_t`.
+@full_precision
+def sample_prior(model: Model, key, num_steps: int, us: Array | None):
+    L_R = model.L_R
+    n, p = model.m0.shape[0], model.H.shape[-2]
+    dtype = model.m0.dtype
+    k0, kq, kr = jr.split(key, 3)
+    x0 = model.m0 + model.L_P0 @ jr.normal(k0, (n,), dtype)
+    q = jr.normal(kq, (num_steps, n), dtype)
+    r = jr.normal(kr, (num_steps, p), dtype)
+    xs = {"q": q, "r": r}
+    mats = {"F": model.F, "L_Q": model.L_Q, "H": model.H, "L_R": L_R}
+    for name, x in mats.items():
+        if per_step(x, 2):
+            xs[name] = x
+    if us is not None:
+        xs["Bu"] = us @ model.B.T
+        xs["Du"] = us @ model.D.T
 
-        **Arguments:**
+    if model.prior_at == "x1":
+        # the prior's draw is x_1 itself: step 1 has no transition
+        xs["first"] = jnp.arange(num_steps) == 0
 
-        - `state`: an [`eqx_seq.KalmanState`][], about `x_{t-1}`.
-        - `u`: the controls `u_t`, shape `(control_size,)`, iff
-            `control_size > 0`.
+    def step(x_prev, s):
+        get = lambda name: s[name] if name in s else mats[name]
+        x = get("F") @ x_prev + get("L_Q") @ s["q"]
+        if "Bu" in s:
+            x = x + s["Bu"]
+        if "first" in s:
+            x = jnp.where(s["first"], x_prev, x)
+        y = get("H") @ x + get("L_R") @ s["r"]
+        if "Du" in s:
+            y = y + s["Du"]
+        return x, (x, y)
 
-        **Returns:**
+    _, (states, observations) = lax.scan(step, x0, xs)
+    return states, observations
 
-        The predicted state, about `x_t` given the same observations; its
-        `log_likelihood` is unchanged.
-        """
-        check_streamable(self, "predict")
-        state = check_state(self, state, "predict")
-        return predict(self, state, check_control(self, u, "predict"))
 
-    def update(
-        self,
-        state: KalmanState,
-        y: Float[ArrayLike, " p"],
-        *,
-        u: Float[ArrayLike, " c"] | None = None,
-    ) -> KalmanState:
-        """Condition the state of online filtering on one observation `y_t`.
+# --- online filtering: the square-root filter's predict and update (`sqrt_update`)
+# on one observation at a time, carried in a public `KalmanState` ---
 
-        **Arguments:**
 
-        - `state`: an [`eqx_seq.KalmanState`][], the prediction of `x_t`.
-        - `y`: the observation `y_t`, shape `(obs_size,)`; NaN marks a missing
-            entry (a step with none leaves the state as it is).
-        - `u`: the controls `u_t` (for `D u_t`), shape `(control_size,)`, iff
-            `control_size > 0`.
+def _where(caller: str) -> str:
+    return f"eqx_seq.KalmanFilter.{caller}"
 
-        **Returns:**
 
-        The filtered state, about `x_t` given the observations up to `y_t`, its
-        `log_likelihood` increased by `log p(y_t | y_1..y_{t-1})`.
-        """
-        check_streamable(self, "update")
-        state = check_state(self, state, "update")
-        y = check_vector(self, y, "y", self.obs_size, "update")
-        return update(self, state, y, check_control(self, u, "update"))
+def check_streamable(params: Parameters, initialization: str, caller: str) -> None:
+    """A time-invariant model with a proper prior, or an error that says why not."""
+    if params.num_steps is not None:
+        raise ValueError(
+            f"{_where(caller)}: online filtering needs a time-invariant model; this "
+            f"one is time-varying with {params.num_steps} steps. Build one "
+            "`KalmanFilter.from_matrices` per step, or filter the whole sequence."
+        )
+    if initialization == "diffuse":
+        raise NotImplementedError(
+            f'{_where(caller)}: not available with initialization="diffuse" (a '
+            "`KalmanState` holds a proper Gaussian); filter the whole sequence, or "
+            'use "known" with a large `P0` (approximately diffuse).'
+        )
+
+
+def check_state(params: Parameters, state: Any, caller: str) -> KalmanState:
+    """`state` as a `KalmanState` of this model's sizes, in its dtype."""
+    n = params.state_size
+    shapes = {"mean": (n,), "cov_factor": (n, n), "log_likelihood": ()}
+    if not isinstance(state, KalmanState):
+        raise ValueError(
+            f"{_where(caller)}: `state` must be an `eqx_seq.KalmanState` (from "
+            f"`init_state`, `predict` or `update`), got {type(state).__name__}."
+        )
+    for name, shape in shapes.items():
+        x = jnp.asarray(getattr(state, name))
+        if x.shape != shape or not jnp.issubdtype(x.dtype, jnp.floating):
+            raise ValueError(
+                f"{_where(caller)}: `state.{name}` must be a floating array of shape "
+                f"{shape} (state_size={n}), got {x.dtype} of shape {x.shape}."
+            )
+    dtype = params.m0.dtype
+    return KalmanState(
+        *(jnp.asarray(getattr(state, name)).astype(dtype) for name in shapes)
+    )
+
+
+def check_vector(
+    params: Parameters, x: Any, name: str, size: int, caller: str
+) -> Array:
+    """One step's observation or controls: a floating array of shape `(size,)`."""
+    x = jnp.asarray(x)
+    if x.shape != (size,) or not jnp.issubdtype(x.dtype, jnp.floating):
+        raise ValueError(
+            f"{_where(caller)}: `{name}` is one step's, a floating array of shape "
+            f"({size},), got {x.dtype} of shape {x.shape}. Use `jax.vmap` for a "
+            "batch."
+        )
+    return x.astype(params.m0.dtype)
+
+
+def check_control(params: Parameters, u: Any, caller: str) -> Array | None:
+    c = params.control_size
+    if c == 0:
+        if u is not None:
+            raise ValueError(
+                f"{_where(caller)}: got controls `u` but this model has control_size=0."
+            )
+        return None
+    if u is None:
+        raise ValueError(
+            f"{_where(caller)}: this model has control_size={c}; pass this step's "
+            f"controls `u` of shape ({c},)."
+        )
+    return check_vector(params, u, "u", c, caller)
+
+
+def init_state(model: Model) -> KalmanState:
+    """The prior, with nothing observed yet: the law of `x_0` or of `x_1`
+    (`prior_at`), known or stationary (`initialization`), as the filter starts."""
+    zero = jnp.zeros((), model.m0.dtype)
+    return KalmanState(model.m0, model.L_P0, zero)
+
+
+@full_precision
+def predict_state(model: Model, state: KalmanState, u: Array | None) -> KalmanState:
+    """One transition (`u`, the step's controls, checked)."""
+    m = mv(model.F, state.mean)
+    if u is not None:
+        m = m + model.B @ u
+    L = tria(jnp.concatenate([mm(model.F, state.cov_factor), model.L_Q], axis=1))
+    return KalmanState(m, L, state.log_likelihood)
+
+
+@full_precision
+def update_state(
+    model: Model, state: KalmanState, y: Array, u: Array | None
+) -> KalmanState:
+    """Conditioning on the observed entries of `y` (checked), whitened as the
+    filter's observations are."""
+    problem = prepare(model, y[None], None if u is None else u[None], "missing")
+    L = state.cov_factor
+    no_noise = jnp.zeros_like(L)  # conditioning only: no transition here
+    m, L, nu, log_s = sqrt_update(state.mean, L, no_noise, problem.Hw[0], problem.yw[0])
+    ll = whitened_log_density(nu, log_s, problem.obs[0])
+    return KalmanState(m, L, state.log_likelihood + (ll - problem.logdet[0]))

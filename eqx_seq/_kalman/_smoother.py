@@ -9,21 +9,20 @@ from jaxtyping import Array
 
 from .._scan import AbstractScan
 from ._linalg import (
-    _bmm,
-    _jittered,
-    _mT,
-    _mv,
-    _sandwich,
-    _sym,
+    bmm,
     cholesky,
+    jittered,
+    mT,
+    mv,
+    sandwich,
+    sym,
     tria,
     tril_inverse_by_rows,
 )
-from ._problem import _Model, _per_step
-from ._results import KalmanFilterResult, KalmanSmootherResult
+from ._model import KalmanFilterResult, KalmanSmootherResult, Model, per_step
 
 
-def _element(m: Array, L: Array, m_pred_next: Array, F: Array, L_Q: Array):
+def element(m: Array, L: Array, m_pred_next: Array, F: Array, L_Q: Array):
     """`p(x_t | x_{t+1}, y_1..y_t) = N(E x_{t+1} + g, C)` from the filtered mean `m`
     and factor `L` of step `t`.
 
@@ -43,11 +42,11 @@ def _element(m: Array, L: Array, m_pred_next: Array, F: Array, L_Q: Array):
     X = tria(A)
     E = X[n:, :n] @ tril_inverse_by_rows(X[:n, :n])
     Lam = X[n:, n:]
-    return E, m - E @ m_pred_next, _sym(Lam @ Lam.T)
+    return E, m - E @ m_pred_next, sym(Lam @ Lam.T)
 
 
 def smoother_elements(
-    model: _Model, filtered: KalmanFilterResult, factors: Array | None = None
+    model: Model, filtered: KalmanFilterResult, factors: Array | None = None
 ):
     """The elements `(E_t, g_t, C_t)` of every step, batched over the steps; the
     last is `(0, m_T, P_T)`. `factors`: the filtered covariances' (default: their
@@ -55,10 +54,10 @@ def smoother_elements(
     deadlock: `_linalg`)."""
     ms = filtered.means
     if factors is None:
-        factors = cholesky(_jittered(filtered.covs))
-    F_v, Q_v = _per_step(model.F, 2), _per_step(model.L_Q, 2)
+        factors = cholesky(jittered(filtered.covs))
+    F_v, Q_v = per_step(model.F, 2), per_step(model.L_Q, 2)
     in_axes = (0, 0, 0, 0 if F_v else None, 0 if Q_v else None)
-    E, g, C = jax.vmap(_element, in_axes=in_axes)(
+    E, g, C = jax.vmap(element, in_axes=in_axes)(
         ms[:-1],
         factors[:-1],
         filtered.predicted_means[1:],
@@ -72,17 +71,17 @@ def smoother_elements(
 
 
 def settled_elements(
-    model: _Model, filtered: KalmanFilterResult, head: Array, tail: Array
+    model: Model, filtered: KalmanFilterResult, head: Array, tail: Array
 ):
     """`smoother_elements` of the steady-state filter: the filtered factors are
     `head` (steps `1..K`) and then one fixed factor `tail`, so the tail's elements
     share one `E` and `C` (one triangularisation, not one per step)."""
     ms, mps = filtered.means, filtered.predicted_means
     K, T = head.shape[0], ms.shape[0]
-    E_h, g_h, C_h = jax.vmap(_element, in_axes=(0, 0, 0, None, None))(
+    E_h, g_h, C_h = jax.vmap(element, in_axes=(0, 0, 0, None, None))(
         ms[:K], head, mps[1 : K + 1], model.F, model.L_Q
     )
-    E_s, _, C_s = _element(ms[K], tail, mps[K + 1], model.F, model.L_Q)
+    E_s, _, C_s = element(ms[K], tail, mps[K + 1], model.F, model.L_Q)
     g_s = ms[K:-1] - mps[K + 1 :] @ E_s.T
     tail_of = lambda X: jnp.broadcast_to(X, (T - 1 - K, *X.shape))
     zero = jnp.zeros((1, *E_s.shape), E_s.dtype)
@@ -94,11 +93,11 @@ def settled_elements(
 
 def _smoothed(filtered, E, ms, Ps) -> KalmanSmootherResult:
     # Cov[x_t, x_{t+1} | y] = E_t Cov[x_{t+1} | y]
-    return KalmanSmootherResult(ms, Ps, _bmm(E[:-1], Ps[1:]), filtered)
+    return KalmanSmootherResult(ms, Ps, bmm(E[:-1], Ps[1:]), filtered)
 
 
 def smooth_sequential(
-    model: _Model, filtered: KalmanFilterResult, factors: Array | tuple
+    model: Model, filtered: KalmanFilterResult, factors: Array | tuple
 ) -> KalmanSmootherResult:
     """Backwards in a loop (`smooth_elements`). `factors`: every step's, or the
     steady-state filter's `(head, tail)`."""
@@ -113,7 +112,7 @@ def combine(later, earlier):
     # a reverse associative scan passes the element later in time first
     E_l, g_l, C_l = later
     E_e, g_e, C_e = earlier
-    return E_e @ E_l, E_e @ g_l + g_e, _sym(E_e @ C_l @ _mT(E_e) + C_e)
+    return E_e @ E_l, E_e @ g_l + g_e, sym(E_e @ C_l @ mT(E_e) + C_e)
 
 
 def smooth_elements(
@@ -132,7 +131,7 @@ def smooth_elements(
     def step(carry, x):
         m, P = carry
         E, g, C = x
-        m, P = _mv(E, m) + g, _sym(_sandwich(E, P) + C)
+        m, P = mv(E, m) + g, sym(sandwich(E, P) + C)
         return (m, P), (m, P)
 
     init = (g[-1], C[-1])
@@ -143,7 +142,7 @@ def smooth_elements(
 
 
 def smooth_parallel(
-    model: _Model, filtered: KalmanFilterResult, factors: Array, scan: AbstractScan
+    model: Model, filtered: KalmanFilterResult, factors: Array, scan: AbstractScan
 ) -> KalmanSmootherResult:
     """The same elements as a reverse associative scan (`smooth_elements`)."""
     return smooth_elements(filtered, smoother_elements(model, filtered, factors), scan)
