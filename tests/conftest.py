@@ -1,4 +1,6 @@
 import os
+import shutil
+import tempfile
 
 
 # The suite's time is mostly XLA compiling (hundreds of small programs), a large
@@ -26,6 +28,28 @@ jax.config.update("jax_numpy_rank_promotion", "raise")
 # the first, as with one. docs/usage/several-devices.md asks for the same count (a
 # different one, once JAX has started, is an error).
 jax.config.update("jax_num_cpu_devices", 4)
+
+
+def pytest_configure(config):
+    """One XLA compilation cache for the run, on disk, shared by the xdist workers:
+    a program that tests in both workers, or in modules either side of a
+    `jax.clear_caches()`, compile is compiled once. Made fresh by the process that
+    starts the run (the workers inherit its environment), so a run never reads
+    what an earlier one wrote, and removed at its end."""
+    if _CACHE not in os.environ:
+        os.environ[_CACHE] = tempfile.mkdtemp(prefix="eqx_seq-tests-xla-")
+        config._owns_jax_cache = True
+    jax.config.update("jax_compilation_cache_dir", os.environ[_CACHE])
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
+def pytest_unconfigure(config):
+    if getattr(config, "_owns_jax_cache", False):
+        shutil.rmtree(os.environ.pop(_CACHE), ignore_errors=True)
+
+
+_CACHE = "EQX_SEQ_TESTS_XLA_CACHE"
 
 
 @pytest.fixture
