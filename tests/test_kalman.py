@@ -387,6 +387,8 @@ def test_user_backends_missing_what_the_filter_needs(getkey):
 KALMAN_LAYERS = [
     ["_layer"],
     ["_em", "_fisher", "_predictive", "_sharded"],
+    ["_m_step"],
+    ["_e_step"],
     ["_dispatch"],
     ["_smoother"],
     ["_parallel"],

@@ -333,7 +333,7 @@ def test_stationary_prior_with_F_and_Q_held():
 def test_steady_state_e_step_matches_hand_formulas(prior_at):
     """Complete data, a time-invariant model, long sequences: the smoother's sums
     from the steady-state filter (Lyapunov sums), two sequences with controls."""
-    from eqx_seq._kalman._em import smoothed_sums_steady
+    from eqx_seq._kalman._e_step import smoothed_sums_steady
     from eqx_seq._kalman._model import prepare
 
     rng = np.random.default_rng(15)
@@ -484,8 +484,8 @@ def test_the_loop_is_traced_once(monkeypatch):
     from eqx_seq._kalman import _em
 
     traced = []
-    m_step = _em._m_step
-    monkeypatch.setattr(_em, "_m_step", lambda *a: traced.append(1) or m_step(*a))
+    m_step = _em.m_step
+    monkeypatch.setattr(_em, "m_step", lambda *a: traced.append(1) or m_step(*a))
     start, ys, _ = _problem(40, n=2, p=1, T=7)
     kf = build(start, eqx_seq.SequentialScan())
     kf.fit_em(ys, num_iters=6)

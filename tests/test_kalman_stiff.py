@@ -345,7 +345,7 @@ def test_em_steady_state_sums_float32():
     the stiff tracker in float32 against the NumPy square-root smoother (float64):
     the head's RTS steps in covariance form, `P_f + J (P_{t+1} - P_p) J^T`, put
     the first smoothed covariance 6000 of its variances off (and their sum 95)."""
-    from eqx_seq._kalman._em import smoothed_sums_steady
+    from eqx_seq._kalman._e_step import smoothed_sums_steady
     from eqx_seq._kalman._model import prepare
     from eqx_seq._misc import full_precision
 
@@ -379,7 +379,7 @@ def test_em_smoothed_x0_float32():
     RTS step in Joseph form: the covariance form cancels in `I - J F` under the
     vague prior (`P0 = 1e6 I`), which put the smoothed `P0` 0.3% of its variances
     off (and the EM trace 0.06 nats on a GPU)."""
-    from eqx_seq._kalman._em import _smoothed_x0
+    from eqx_seq._kalman._e_step import _smoothed_x0
     from eqx_seq._misc import full_precision
 
     model, ys = tracker(T=200)

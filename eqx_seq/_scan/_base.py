@@ -70,27 +70,28 @@ class AbstractScan(eqx.Module):
     and the methods `shift`, `halo`, `sum_over_blocks` and `carry_into_block` are
     the layout of the time axis, one block on one device or one block per device.
 
+    What each backend declares:
+
+    - `parallel` (a class variable): the family of algorithms a layer that runs its
+        own picks. `False`: the sequential one (the standard Kalman filter, Thomas,
+        the selective scan's fused loop); `True`: the parallel one (the filter of
+        Särkkä & García-Fernández run by `associative_scan`, parallel cyclic
+        reduction, the selective scan's chunked recurrences).
+    - `splits_time` (a class variable): whether the time axis is split over
+        devices, each calling the layer on its block ([`eqx_seq.ShardedScan`][]).
+        A layer that cannot run on a split axis refuses such a backend.
+    - `unroll`: how many steps the sequential loops of the layers' own algorithms
+        (Thomas, the selective scan's fused loop) unroll; 1 for none.
+
     To write a backend for one device, subclass [`eqx_seq.AbstractLocalScan`][],
-    which implements the layout, and implement `recurrence`, `associative_scan`,
+    which implements the layout, and implement `recurrence` and declare
     `parallel` and `unroll`. A class that leaves any of them out cannot be
     instantiated, with an error naming what is missing.
     """
 
     parallel: eqx.AbstractClassVar[bool]
-    """The family of algorithms a layer that runs its own picks: `False` the
-    sequential one (the standard Kalman filter, Thomas, the selective scan's fused
-    loop), `True` the parallel one (the filter of Särkkä & García-Fernández run by
-    `associative_scan`, parallel cyclic reduction, the selective scan's chunked
-    recurrences)."""
-
     splits_time: eqx.AbstractClassVar[bool]
-    """Whether the time axis is split over devices, each calling the layer on its
-    block ([`eqx_seq.ShardedScan`][]). A layer that cannot run on a split axis
-    refuses such a backend."""
-
     unroll: eqx.AbstractVar[int]
-    """How many steps the sequential loops of the layers' own algorithms (Thomas,
-    the selective scan's fused loop) unroll: 1 for none."""
 
     @abc.abstractmethod
     def select(self) -> "AbstractScan":

@@ -158,7 +158,9 @@ class ShardedScan(AbstractScan):
     `jax.shard_map` splits them; pad a sequence to a multiple of the device count.
     The selective layers' causal convolutions of `K` taps read the `K - 1` steps
     before each block from the device before (`halo`), so their blocks must be at
-    least that long. See [Several devices](../usage/several-devices.md).
+    least that long. Its pytree scan (`associative_scan`) is each block's, with
+    the total of the blocks before it (gathered) combined into every element. See
+    [Several devices](../usage/several-devices.md).
 
     **Arguments:**
 

@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import jax.random as jr
 from jaxtyping import Array, ArrayLike, Bool, Float, PRNGKeyArray, Real
+from typing_extensions import TypeAliasType
 
 from .._misc import (
     check_parameter_dtype,
@@ -23,10 +24,12 @@ from ._selective_core import selective_step
 from ._selective_scan import selective_scan
 
 
-MambaState = tuple[Float[Array, "K1 E"], Float[Array, "E N"]]
-"""The state of [`eqx_seq.Mamba`][] and [`eqx_seq.MambaBlock`][]: `(conv, ssm)`,
-the last `K - 1` inputs of the causal convolution, shape `(d_conv - 1, channels)`,
-and the selective scan's state, shape `(channels, state_size)`."""
+# The state of `Mamba` and `MambaBlock`: the convolution's last `conv_size - 1`
+# inputs and the selective scan's state. A named alias (not a bare `tuple[...]`),
+# so that signatures and the API docs show its name.
+MambaState = TypeAliasType(
+    "MambaState", tuple[Float[Array, "K1 E"], Float[Array, "E N"]]
+)
 
 
 def _linear(key, fan_in: int, fan_out: int, dtype) -> Array:

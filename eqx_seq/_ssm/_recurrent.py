@@ -16,13 +16,15 @@ class AbstractRecurrentLayer(eqx.Module):
     such layers. Subclass it to write one of your own: implement the four methods
     and declare `recurrence_fields`. A layer may take more keyword arguments than
     these (S5's `dt`, the selective layers' `reset`).
+
+    `recurrence_fields` (a class variable) names the layer's own fields that
+    parameterise its recurrence (the decays and what shapes them), which
+    [`eqx_seq.ssm_param_labels`][] labels `"ssm"`: trained without weight decay,
+    and for S5 and LRU at their own learning rate. It is empty for a block whose
+    recurrence is a layer inside it.
     """
 
     recurrence_fields: eqx.AbstractClassVar[tuple[str, ...]]
-    """The names of this layer's own fields that parameterise its recurrence (the
-    decays and what shapes them), which [`eqx_seq.ssm_param_labels`][] labels
-    `"ssm"`: trained without weight decay, and for S5 and LRU at their own learning
-    rate. Empty for a block whose recurrence is a layer inside it."""
 
     @abc.abstractmethod
     def __call__(
