@@ -392,6 +392,7 @@ KALMAN_LAYERS = [
     ["_dispatch"],
     ["_smoother"],
     ["_parallel"],
+    ["_diffuse"],
     ["_filter"],
     ["_model"],
     ["_linalg"],

@@ -2,7 +2,7 @@
 
 Each file imports only files below it: `_layer` (the layer) -> `_em`, `_fisher`,
 `_predictive`, `_sharded` -> `_m_step` -> `_e_step` -> `_dispatch` -> `_smoother` ->
-`_parallel` -> `_filter` -> `_model` -> `_linalg`.
+`_parallel` -> `_diffuse` -> `_filter` -> `_model` -> `_linalg`.
 """
 
 from ._layer import KalmanFilter as KalmanFilter

@@ -12,8 +12,8 @@ from jaxtyping import Array
 
 from .._misc import full_precision
 from .._scan import AbstractScan, check_scan
+from ._diffuse import filter_diffuse
 from ._filter import (
-    filter_diffuse,
     filter_exact,
     filter_sequential,
     filter_steady,

@@ -234,7 +234,7 @@ def stationary_covariance(F: Array, L_Q: Array) -> Array:
 def prior(params: Parameters, initialization: Initialization) -> tuple[Array, Array]:
     """The prior's mean and Cholesky factor: the parameters `m0`, `P0` ("known"),
     or the stationary law (mean zero). A diffuse prior is handled by the filter
-    (`_filter.filter_diffuse`); here it is the zero mean and a unit factor, never
+    (`_diffuse.filter_diffuse`); here it is the zero mean and a unit factor, never
     read as a covariance."""
     if initialization == "known":
         return params.m0, factor(params.P0_factor)
