@@ -56,12 +56,3 @@ _CACHE = "EQX_SEQ_TESTS_XLA_CACHE"
 def getkey():
     keys = iter(jr.split(jr.key(5678), 10_000))
     return lambda: next(keys)
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _release_compiled_programs():
-    """Drop JAX's compiled programs after each test module: a worker that keeps
-    every program of the suite's modules crashed (a segfault inside XLA's
-    compiler, at a large program late in the run)."""
-    yield
-    jax.clear_caches()

@@ -10,7 +10,7 @@ import scipy.linalg
 from jax.test_util import check_grads
 
 import eqx_seq
-import eqx_seq._tridiagonal._thomas as thomas_module
+from eqx_seq._tridiagonal._solve import _thomas_solve
 from eqx_seq._tridiagonal._thomas import lu_solve, thomas
 
 
@@ -343,12 +343,10 @@ def dense_solve(lower, diag, upper, rhs, axis):
         ),  # second order on tiles with broadcast diagonals
     ],
 )
-def test_factored_derivatives_in_blocks(
-    monkeypatch, shapes, axis, complex_, second_order
-):
+def test_factored_derivatives_in_blocks(shapes, axis, complex_, second_order):
     # the Thomas path's jvp rule (factors kept, division-free tangent and adjoint
-    # sweeps) in blocks of 3 systems, against autodiff through dense solves
-    monkeypatch.setattr(thomas_module, "_BLOCK_BYTES", 3 * 16)
+    # sweeps) in blocks of 3 complex or 6 real systems (its static block size, 48
+    # bytes of a row), against autodiff through dense solves
     rng = np.random.default_rng(11)
     full = np.broadcast_shapes(*shapes)
     draw = dominant(rng, full, complex_=complex_)
@@ -358,12 +356,11 @@ def test_factored_derivatives_in_blocks(
     tangents = tuple(
         jnp.asarray(rng.normal(size=a.shape)).astype(a.dtype) for a in args
     )
-    kw = dict(axis=axis, scan=eqx_seq.SequentialScan())
-    ours = lambda *a: eqx_seq.tridiagonal_solve(*a, **kw)
+    ours = lambda *a: _thomas_solve(*a, axis, 1, 3 * 16)
     ref = lambda *a: dense_solve(*a, axis)
     tol = dict(rtol=1e-10, atol=1e-12)
     every = (0, 1, 2, 3)
-    for f in (ours, ref):  # fresh traces: the patched block size applies
+    for f in (ours, ref):
         f.jvp = jax.jit(lambda *a, f=f: jax.jvp(f, a, tangents))(*args)
         x, pullback = jax.vjp(f, *args)
         f.vjp = jax.jit(pullback)(jnp.cos(x))

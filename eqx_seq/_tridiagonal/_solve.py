@@ -31,20 +31,25 @@ def _matvec(l, d, u, x, *, axis: int) -> Array:
     return l * below + d * x + u * above
 
 
-@ft.partial(jax.custom_jvp, nondiff_argnums=(4, 5))
-def _thomas_solve(l, d, u, r, axis: int, unroll: int) -> Array:
-    """Thomas, differentiated by the rule below (never through the sweeps)."""
-    return thomas(l, d, u, r, axis=axis, unroll=unroll)
+@ft.partial(jax.custom_jvp, nondiff_argnums=(4, 5, 6))
+def _thomas_solve(
+    l, d, u, r, axis: int, unroll: int, block_bytes: int | None = None
+) -> Array:
+    """Thomas, differentiated by the rule below (never through the sweeps).
+    `block_bytes`: as `thomas`'s (`None`: the backend's default)."""
+    return thomas(l, d, u, r, axis=axis, unroll=unroll, block_bytes=block_bytes)
 
 
 @_thomas_solve.defjvp
-def _thomas_solve_jvp(axis, unroll, primals, tangents):
+def _thomas_solve_jvp(axis, unroll, block_bytes, primals, tangents):
     # one primal sweep that also keeps the factors; the tangent is one solve with
     # them, x' = A^{-1}(r' - A' x), and its transpose (reverse mode) one solve with
     # A^T = U^T L^T: two sweeps of multiplications, then elementwise products
     l, d, u, r = primals
     dl, dd, du, dr = tangents
-    x, factors = thomas(l, d, u, r, axis=axis, unroll=unroll, factors=True)
+    x, factors = thomas(
+        l, d, u, r, axis=axis, unroll=unroll, factors=True, block_bytes=block_bytes
+    )
     full = x.shape
     matvec = lambda v: jnp.broadcast_to(_matvec(l, d, u, v, axis=axis), full)
     rhs = jnp.broadcast_to(dr - _matvec(dl, dd, du, x, axis=axis), full)
