@@ -41,6 +41,8 @@ from ._ssm import (
     s5_optimizer as s5_optimizer,
     S5Block as S5Block,
     selective_scan as selective_scan,
+    ssd_scan as ssd_scan,
+    ssd_step as ssd_step,
     ssm_param_labels as ssm_param_labels,
     SSMJacobians as SSMJacobians,
 )

@@ -19,3 +19,4 @@ from ._recurrent import AbstractRecurrentLayer as AbstractRecurrentLayer
 from ._rglru import RGLRU as RGLRU
 from ._s5 import S5 as S5
 from ._selective_scan import selective_scan as selective_scan
+from ._ssd import ssd_scan as ssd_scan, ssd_step as ssd_step

@@ -1,0 +1,423 @@
+"""`ssd_scan` and `ssd_step`: Mamba-2's state-space duality (SSD), a chunked
+diagonal recurrence with one scalar decay per head, unbatched and time-first.
+
+Inside a chunk of `Q` steps the outputs and the chunk's state are masked,
+decay-weighted matrix products; between chunks the state follows the diagonal
+recurrence `h_c = alpha_c h_{c-1} + S_c` over `T / Q` steps, which
+`linear_recurrence` solves with the given backend (its adjoint written by hand,
+a time axis split over devices included). The derivation, the resets and the
+memory of the gradient are in `docs/devdocs/ssd.md`.
+
+Inside this module the heads are split by group, `H = G * R`: arrays per head
+carry the axes `(G, R)` where the reference has `H`, so that a group's `B` and
+`C` meet its heads by broadcasting, never by copies.
+"""
+
+import math
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, ArrayLike, Bool, Float
+
+from .._misc import check_positive_int, check_reset, vary_like
+from .._recurrence import linear_recurrence
+from .._scan import AbstractScan, AutoScan, check_scan
+
+
+def _step_sizes(dt, dt_bias, dt_softplus: bool, dt_limit: tuple[float, float]):
+    """`dt` after its bias, the softplus and the clamp, in the reference's order."""
+    if dt_bias is not None:
+        dt = dt + dt_bias
+    if dt_softplus:
+        dt = jax.nn.softplus(dt)
+    lo, hi = dt_limit
+    if lo > 0 or math.isfinite(hi):
+        dt = jnp.clip(dt, lo, hi)
+    return dt
+
+
+def _masked_exp(keep: Array, x: Array) -> Array:
+    """`exp(x)` where `keep`, else zero. The rest is selected away before `exp`
+    (there the argument may be a positive gap that overflows), so that neither the
+    value nor its derivative sees it."""
+    return jnp.exp(jnp.where(keep, x, -jnp.inf))
+
+
+# --- one chunk: `Q` steps, vmapped over the chunks ---
+#
+# `log_a` (Q, G, R): the log-decays `dt A`; `xdt` (Q, G, R, P): the inputs times
+# `dt`; `B`, `C` (Q, G, N); `segment` (Q,): the resets counted from the chunk's
+# start (0 before its first reset); `h_in` (G, R, P, N): the state entering it.
+# Both functions are rematerialised: the backward pass recomputes a chunk's
+# `Q x Q` weights rather than keeping them.
+
+
+@jax.checkpoint
+def _chunk_state(log_a, xdt, B, segment):
+    """The chunk's own contribution to its last state, `sum_t exp(L_Q - L_t) xdt_t
+    B_t^T` over the steps of its last segment, `(G, R, P, N)`, and the decay
+    `alpha = exp(L_Q)` that carries the entering state through it, `(G, R)`,
+    zero if a segment starts in the chunk (`L_s = sum_{t <= s} log_a_t`)."""
+    L = jnp.cumsum(log_a, axis=0)
+    last = (segment == segment[-1])[:, None, None]
+    weight = _masked_exp(last, L[-1] - L)
+    S = jnp.einsum("tgr,tgrp,tgn->grpn", weight, xdt, B)
+    return S, _masked_exp(segment[-1] == 0, L[-1])
+
+
+@jax.checkpoint
+def _chunk_output(log_a, xdt, B, C, segment, h_in):
+    """The chunk's outputs, `(Q, G, R, P)`: its own inputs through the masked
+    products `y_s = sum_{t <= s} (C_s . B_t) exp(L_s - L_t) xdt_t` (`t` in `s`'s
+    segment), plus the entering state read out as `exp(L_s) C_s h_in` before the
+    chunk's first reset."""
+    L = jnp.cumsum(log_a, axis=0)
+    Q = L.shape[0]
+    causal = jnp.arange(Q)[:, None] >= jnp.arange(Q)[None, :]
+    same = (segment[:, None] == segment[None, :]) & causal  # (s, t)
+    decay = _masked_exp(same[..., None, None], L[:, None] - L[None, :])  # (s, t, G, R)
+    CB = jnp.einsum("sgn,tgn->stg", C, B)
+    own = jnp.einsum("stgr,stg,tgrp->sgrp", decay, CB, xdt)
+    entry = _masked_exp((segment == 0)[:, None, None], L)
+    read = jnp.einsum("sgn,grpn->sgrp", C, h_in)
+    return own + entry[..., None] * read
+
+
+# --- the whole sequence ---
+
+
+@eqx.filter_jit
+def _run(scan, chunk, x, dt, A, B, C, D, z, h0, reset, dt_bias, softplus, limit):
+    T, H, P = x.shape
+    _, G, N = B.shape
+    R = H // G
+    dt = _step_sizes(dt, dt_bias, softplus, limit)
+    # padded steps have `dt = 0`: a decay of one and no input, so the last state is
+    # that of the last real step (also at the end of a device's block, mid-sequence)
+    pad = -T % chunk
+    K = (T + pad) // chunk
+
+    def chunks(v, *shape):
+        v = jnp.pad(v, [(0, pad)] + [(0, 0)] * (v.ndim - 1))
+        return v.reshape(K, chunk, *shape)
+
+    log_a = chunks(dt * A, G, R)
+    xdt = chunks(x * dt[..., None], G, R, P)
+    B, C = chunks(B, G, N), chunks(C, G, N)
+    starts = jnp.zeros((T,), jnp.int32) if reset is None else reset.astype(jnp.int32)
+    segment = jnp.cumsum(chunks(starts), axis=1)
+    S, alpha = jax.vmap(_chunk_state)(log_a, xdt, B, segment)
+    h0 = jnp.zeros((G, R, P, N), x.dtype) if h0 is None else h0.reshape(G, R, P, N)
+    h0 = vary_like(h0, x)
+    # between chunks: the diagonal recurrence, one decay per head
+    h = linear_recurrence(alpha[..., None, None], S, h0, scan=scan)
+    h_in = scan.shift(h, h0)
+    y = jax.vmap(_chunk_output)(log_a, xdt, B, C, segment, h_in)
+    y = y.reshape(K * chunk, H, P)[:T]
+    if D is not None:
+        y = y + (D[:, None] if D.ndim == 1 else D) * x
+    if z is not None:
+        y = y * jax.nn.silu(z)
+    return y, h[-1].reshape(H, P, N)
+
+
+def _step(state, x, dt, A, B, C, D, z, dt_bias, softplus, limit):
+    H, P = x.shape
+    G = B.shape[0]
+    dt = _step_sizes(dt, dt_bias, softplus, limit)
+    B, C = jnp.repeat(B, H // G, axis=0), jnp.repeat(C, H // G, axis=0)  # (H, N)
+    decay = jnp.exp(dt * A)[:, None, None]
+    state = decay * state + (dt[:, None] * x)[:, :, None] * B[:, None, :]
+    y = jnp.einsum("hpn,hn->hp", state, C)
+    if D is not None:
+        y = y + (D[:, None] if D.ndim == 1 else D) * x
+    if z is not None:
+        y = y * jax.nn.silu(z)
+    return y, state
+
+
+# --- input checks ---
+
+
+def _arrays(name: str, given: dict) -> dict:
+    """The given arrays (the `None`s left out), each real floating."""
+    arrays = {}
+    for key, x in given.items():
+        if x is None:
+            continue
+        try:
+            x = jnp.asarray(x)
+        except TypeError as e:
+            raise ValueError(f"`{name}`: `{key}` must be an array: {e}") from None
+        if not jnp.issubdtype(x.dtype, jnp.floating):
+            raise ValueError(
+                f"`{name}` needs real floating arrays, got {x.dtype} for `{key}`; "
+                f"cast it, e.g. `{key}.astype(jnp.float32)`."
+            )
+        arrays[key] = x
+    return arrays
+
+
+def _check_shapes(name: str, arrays: dict, time: tuple) -> None:
+    """Shapes against those `x` and `B` give (`time`: `(T,)`, or `()` for a step);
+    groups that divide the heads."""
+    x, B = arrays["x"], arrays["B"]
+    if x.ndim != len(time) + 2 or (time and x.shape[0] == 0):
+        what = "(T, H, P) with T >= 1" if time else "(H, P)"
+        raise ValueError(
+            f"`{name}`: `x` must have shape {what}, got shape {x.shape}"
+            + ("; use `jax.vmap` for a batch." if time else ".")
+        )
+    if B.ndim != len(time) + 2:
+        what = "(T, G, N)" if time else "(G, N)"
+        raise ValueError(f"`{name}`: `B` must have shape {what}, got {B.shape}.")
+    *_, H, P = x.shape
+    *_, G, N = B.shape
+    if H % G:
+        raise ValueError(
+            f"`{name}`: the {G} groups of `B` and `C` must divide the {H} heads of "
+            f"`x` (each group serves H / G heads), got H = {H}, G = {G}."
+        )
+    T = x.shape[:1] if time else ()
+    expected = {
+        "dt": (*T, H), "A": (H,), "B": (*T, G, N), "C": (*T, G, N),
+        "z": (*T, H, P), "dt_bias": (H,), "h0": (H, P, N), "state": (H, P, N),
+    }  # fmt: skip
+    sizes = f"H = {H} heads, P = {P} channels per head, G = {G} groups, N = {N}"
+    if T:
+        sizes = f"T = {T[0]} steps, " + sizes
+    for key, a in arrays.items():
+        want = expected.get(key)
+        ok = a.shape in ((H,), (H, P)) if key == "D" else a.shape == want
+        if key != "x" and not ok:
+            want = "(H,) or (H, P)" if key == "D" else want
+            raise ValueError(
+                f"`{name}`: `{key}` must have shape {want} (with {sizes} states, "
+                f"read from `x` {x.shape} and `B` {B.shape}), got {a.shape}."
+            )
+
+
+def _check_limit(name: str, dt_limit) -> tuple[float, float]:
+    try:
+        lo, hi = (float(v) for v in dt_limit)
+    except (TypeError, ValueError):
+        raise ValueError(
+            f"`{name}`: `dt_limit` must be a pair of numbers (low, high), got "
+            f"{dt_limit!r}."
+        ) from None
+    if not (0 <= lo <= hi) or math.isnan(hi):
+        raise ValueError(
+            f"`{name}`: `dt_limit` must satisfy 0 <= low <= high, got {dt_limit!r}."
+        )
+    return lo, hi
+
+
+def _compute_dtype(arrays: dict):
+    """The inputs' dtype, and the one they are computed in (float32 for half)."""
+    with jax.numpy_dtype_promotion("standard"):
+        dtype = jnp.result_type(*arrays.values())
+    return dtype, jnp.promote_types(dtype, jnp.float32)
+
+
+def ssd_scan(
+    x: Float[ArrayLike, "T H P"],
+    dt: Float[ArrayLike, "T H"],
+    A: Float[ArrayLike, " H"],
+    B: Float[ArrayLike, "T G N"],
+    C: Float[ArrayLike, "T G N"],
+    D: Float[ArrayLike, " H"] | Float[ArrayLike, "H P"] | None = None,
+    *,
+    z: Float[ArrayLike, "T H P"] | None = None,
+    dt_bias: Float[ArrayLike, " H"] | None = None,
+    dt_softplus: bool = False,
+    dt_limit: tuple[float, float] = (0.0, float("inf")),
+    h0: Float[ArrayLike, "H P N"] | None = None,
+    reset: Bool[ArrayLike, " T"] | None = None,
+    return_final_state: bool = False,
+    chunk_size: int = 64,
+    scan: AbstractScan = AutoScan(),
+) -> Float[Array, "T H P"] | tuple[Float[Array, "T H P"], Float[Array, "H P N"]]:
+    r"""The chunked scan of Mamba-2 (state-space duality, SSD): a recurrence with
+    one scalar decay per head, computed as matrix products inside chunks.
+
+    With $\Delta_t$ = `dt[t]` (after `dt_bias`, the softplus and `dt_limit`, if
+    asked), head $h$'s state $S^h_t \in \mathbb{R}^{P \times N}$ from `h0`:
+
+    $S^h_t = \exp(\Delta^h_t A^h)\, S^h_{t-1} + \Delta^h_t\, x^h_t B_t^{g\top}$,
+    $\quad y^h_t = S^h_t C^g_t + D^h x^h_t$,
+
+    with $g$ the group of head $h$ (`H / G` consecutive heads share one), times
+    $\mathrm{silu}(z_t)$ when `z` is given: the arguments and results of
+    `mamba_chunk_scan_combined` of `state-spaces/mamba` for one sequence, time
+    first (`jax.vmap` for a batch; `reset` is its `seq_idx`).
+
+    Inside a chunk of `chunk_size` steps the outputs are masked, decay-weighted
+    products of `C`, `B` and `x`; between chunks the state follows
+    [`eqx_seq.linear_recurrence`][] over `T / chunk_size` steps with the given
+    backend, so every backend runs it, [`eqx_seq.ShardedScan`][] included (one
+    chunk state per head crosses a device boundary). The `(T, H, P, N)` states are
+    never formed: the gradient keeps the chunks' states and recomputes a chunk's
+    products, so its memory is `O(T H P + T G N + (T / chunk_size) H P N)`.
+    Differentiable in reverse and forward mode with respect to every array
+    argument.
+
+    **Arguments:**
+
+    - `x`: the input, shape `(T, H, P)`: `H` heads of `P` channels.
+    - `dt`: the step sizes $\Delta$ before `dt_bias` and the softplus, `(T, H)`.
+    - `A`: the decay rates, one per head, shape `(H,)` (negative for a decaying
+        state).
+    - `B`, `C`: the input and output vectors, shape `(T, G, N)`, `G` dividing `H`.
+    - `D`: the skip connection, shape `(H,)` or `(H, P)`, or `None` for none.
+    - `z`: the gate, shape `(T, H, P)`, or `None` for none.
+    - `dt_bias`: added to `dt`, shape `(H,)`.
+    - `dt_softplus`: apply `jax.nn.softplus` to `dt + dt_bias`.
+    - `dt_limit`: `(low, high)`, the step sizes clamped to it after the softplus
+        (the default clamps nothing).
+    - `h0`: the state before the first step, shape `(H, P, N)`; zeros if `None`.
+    - `reset`: optional bools, shape `(T,)`, `True` where a segment starts (packed
+        sequences): there the state restarts from zero, so each segment gives the
+        outputs of a separate call (`h0` is ignored at a reset on step 0).
+    - `return_final_state`: also return the state after the last step.
+    - `chunk_size`: the steps per chunk (`T` need not be a multiple of it).
+    - `scan`: the backend of the recurrence between chunks, an
+        [`eqx_seq.AbstractScan`][].
+
+    **Returns:**
+
+    `y`, shape `(T, H, P)`; `(y, final_state)` with `final_state` of shape
+    `(H, P, N)` if `return_final_state` (under [`eqx_seq.ShardedScan`][], the last
+    device's is the whole sequence's). In the inputs' floating dtype (half
+    precision is computed in float32 and cast back).
+
+    **Raises:**
+
+    `ValueError` for shapes that do not fit together, groups that do not divide
+    the heads, non-floating arrays, a `reset` that is not `(T,)` bools, a bad
+    `dt_limit` or `chunk_size`, or a `scan` that is not an
+    [`eqx_seq.AbstractScan`][].
+
+    !!! Example
+
+        ```python
+        import jax.numpy as jnp, jax.random as jr
+        import eqx_seq
+
+        T, H, P, G, N = 200, 4, 8, 1, 16
+        k = jr.split(jr.key(0), 4)
+        x = jr.normal(k[0], (T, H, P))
+        dt = jr.normal(k[1], (T, H))
+        A = -jnp.arange(1.0, H + 1)
+        B, C = jr.normal(k[2], (T, G, N)), jr.normal(k[3], (T, G, N))
+        y, state = eqx_seq.ssd_scan(
+            x, dt, A, B, C, dt_softplus=True, return_final_state=True
+        )
+        ```
+    """
+    name = "eqx_seq.ssd_scan"
+    check_positive_int("chunk_size", chunk_size)
+    chosen = check_scan(scan, name=name, splits_time=True)
+    limit = _check_limit(name, dt_limit)
+    given = dict(x=x, dt=dt, A=A, B=B, C=C, D=D, z=z, dt_bias=dt_bias, h0=h0)
+    arrays = _arrays(name, given)
+    _check_shapes(name, arrays, time=(None,))
+    T = arrays["x"].shape[0]
+    dtype, compute = _compute_dtype(arrays)
+    arrays = {k: v.astype(compute) for k, v in arrays.items()}
+    y, final = _run(
+        chosen,
+        min(chunk_size, T),
+        arrays["x"],
+        arrays["dt"],
+        arrays["A"],
+        arrays["B"],
+        arrays["C"],
+        arrays.get("D"),
+        arrays.get("z"),
+        arrays.get("h0"),
+        check_reset(reset, T, name),
+        arrays.get("dt_bias"),
+        bool(dt_softplus),
+        limit,
+    )
+    y = y.astype(dtype)
+    if return_final_state:
+        return y, final.astype(dtype)
+    return y
+
+
+def ssd_step(
+    state: Float[ArrayLike, "H P N"],
+    x: Float[ArrayLike, "H P"],
+    dt: Float[ArrayLike, " H"],
+    A: Float[ArrayLike, " H"],
+    B: Float[ArrayLike, "G N"],
+    C: Float[ArrayLike, "G N"],
+    D: Float[ArrayLike, " H"] | Float[ArrayLike, "H P"] | None = None,
+    *,
+    z: Float[ArrayLike, "H P"] | None = None,
+    dt_bias: Float[ArrayLike, " H"] | None = None,
+    dt_softplus: bool = False,
+    dt_limit: tuple[float, float] = (0.0, float("inf")),
+) -> tuple[Float[Array, "H P"], Float[Array, "H P N"]]:
+    r"""One step of [`eqx_seq.ssd_scan`][] in its recurrent form, for generation:
+    the arguments of one time step of `ssd_scan` (its arrays without the time
+    axis) and the state before it.
+
+    Called on each step in turn from `h0`, it gives `ssd_scan`'s outputs and
+    final state (to rounding).
+
+    **Arguments:**
+
+    - `state`: the state before the step, shape `(H, P, N)`.
+    - `x`, `dt`, `B`, `C`, `z`: the step's rows, shapes `(H, P)`, `(H,)`,
+        `(G, N)`, `(G, N)`, `(H, P)`.
+    - `A`, `D`, `dt_bias`, `dt_softplus`, `dt_limit`: as for
+        [`eqx_seq.ssd_scan`][].
+
+    **Returns:**
+
+    `(y, state)`: the step's output `(H, P)` and the state after it `(H, P, N)`, in
+    the inputs' floating dtype.
+
+    **Raises:**
+
+    `ValueError` for shapes that do not fit together, groups that do not divide
+    the heads, non-floating arrays or a bad `dt_limit`.
+
+    !!! Example
+
+        ```python
+        import jax.numpy as jnp, jax.random as jr
+        import eqx_seq
+
+        H, P, G, N = 4, 8, 1, 16
+        k = jr.split(jr.key(0), 3)
+        state = jnp.zeros((H, P, N))
+        x, dt = jr.normal(k[0], (H, P)), jnp.full((H,), 0.1)
+        B, C = jr.normal(k[1], (G, N)), jr.normal(k[2], (G, N))
+        y, state = eqx_seq.ssd_step(state, x, dt, -jnp.ones(H), B, C)
+        ```
+    """
+    name = "eqx_seq.ssd_step"
+    limit = _check_limit(name, dt_limit)
+    given = dict(x=x, state=state, dt=dt, A=A, B=B, C=C, D=D, z=z, dt_bias=dt_bias)
+    arrays = _arrays(name, given)
+    _check_shapes(name, arrays, time=())
+    dtype, compute = _compute_dtype(arrays)
+    arrays = {k: v.astype(compute) for k, v in arrays.items()}
+    y, state = _step(
+        arrays["state"],
+        arrays["x"],
+        arrays["dt"],
+        arrays["A"],
+        arrays["B"],
+        arrays["C"],
+        arrays.get("D"),
+        arrays.get("z"),
+        arrays.get("dt_bias"),
+        bool(dt_softplus),
+        limit,
+    )
+    return y.astype(dtype), state.astype(dtype)
