@@ -28,7 +28,7 @@ from .._scan import AbstractScan, AutoScan, check_scan
 def _step_sizes(dt, dt_bias, dt_softplus: bool, dt_limit: tuple[float, float]):
     """`dt` after its bias, the softplus and the clamp, in the reference's order."""
     if dt_bias is not None:
-        dt = dt + dt_bias
+        dt = dt + jnp.broadcast_to(dt_bias, dt.shape)
     if dt_softplus:
         dt = jax.nn.softplus(dt)
     lo, hi = dt_limit
@@ -61,7 +61,7 @@ def _chunk_state(log_a, xdt, B, segment):
     zero if a segment starts in the chunk (`L_s = sum_{t <= s} log_a_t`)."""
     L = jnp.cumsum(log_a, axis=0)
     last = (segment == segment[-1])[:, None, None]
-    weight = _masked_exp(last, L[-1] - L)
+    weight = _masked_exp(last, L[-1][None] - L)
     S = jnp.einsum("tgr,tgrp,tgn->grpn", weight, xdt, B)
     return S, _masked_exp(segment[-1] == 0, L[-1])
 
@@ -102,7 +102,7 @@ def _run(scan, chunk, x, dt, A, B, C, D, z, h0, reset, dt_bias, softplus, limit)
         v = jnp.pad(v, [(0, pad)] + [(0, 0)] * (v.ndim - 1))
         return v.reshape(K, chunk, *shape)
 
-    log_a = chunks(dt * A, G, R)
+    log_a = chunks(dt * A[None], G, R)
     xdt = chunks(x * dt[..., None], G, R, P)
     B, C = chunks(B, G, N), chunks(C, G, N)
     starts = jnp.zeros((T,), jnp.int32) if reset is None else reset.astype(jnp.int32)
@@ -116,7 +116,7 @@ def _run(scan, chunk, x, dt, A, B, C, D, z, h0, reset, dt_bias, softplus, limit)
     y = jax.vmap(_chunk_output)(log_a, xdt, B, C, segment, h_in)
     y = y.reshape(K * chunk, H, P)[:T]
     if D is not None:
-        y = y + (D[:, None] if D.ndim == 1 else D) * x
+        y = y + (D[None, :, None] if D.ndim == 1 else D[None]) * x
     if z is not None:
         y = y * jax.nn.silu(z)
     return y, h[-1].reshape(H, P, N)
@@ -217,7 +217,7 @@ def _compute_dtype(arrays: dict):
     """The inputs' dtype, and the one they are computed in (float32 for half)."""
     with jax.numpy_dtype_promotion("standard"):
         dtype = jnp.result_type(*arrays.values())
-    return dtype, jnp.promote_types(dtype, jnp.float32)
+        return dtype, jnp.promote_types(dtype, jnp.float32)
 
 
 def ssd_scan(
