@@ -15,15 +15,16 @@ from .._ssm._block import S5Block
 from .._ssm._hawk import HawkBlock
 from .._ssm._lru import LRU
 from .._ssm._mamba import Mamba
-from .._ssm._mamba_block import MambaBlock
+from .._ssm._mamba2 import Mamba2
+from .._ssm._mamba_block import Mamba2Block, MambaBlock
 from .._ssm._recurrent import AbstractRecurrentLayer
 from .._ssm._s5 import S5
 
 
-MIXERS = ("s5", "lru", "rglru", "mamba")
+MIXERS = ("s5", "lru", "rglru", "mamba", "mamba2")
 # a mixer of the library by name, or a user's: a function that makes one block
 Mixer = (
-    Literal["s5", "lru", "rglru", "mamba"]
+    Literal["s5", "lru", "rglru", "mamba", "mamba2"]
     | Callable[[PRNGKeyArray], AbstractRecurrentLayer]
 )
 
@@ -33,7 +34,7 @@ Mixer = (
 # would train a different model from the one asked for.
 BLOCK_ARGUMENTS = {
     "state_size": (
-        ("s5", "lru", "mamba"),
+        ("s5", "lru", "mamba", "mamba2"),
         64,
         "the RG-LRU's state is as wide as the model",
     ),
@@ -43,13 +44,17 @@ BLOCK_ARGUMENTS = {
         "half_glu1",
         "it is the S5 block's; Hawk and Mamba blocks have their own gates",
     ),
-    "norm": (("s5", "lru", "mamba"), "layer", "Hawk blocks have their own RMSNorms"),
+    "norm": (
+        ("s5", "lru", "mamba", "mamba2"),
+        "layer",
+        "Hawk blocks have their own RMSNorms",
+    ),
     "prenorm": (
         ("s5", "lru"),
         True,
         "Hawk and Mamba blocks always normalise their input",
     ),
-    "dropout": (("s5", "lru", "mamba"), 0.0, "Hawk blocks have no dropout"),
+    "dropout": (("s5", "lru", "mamba", "mamba2"), 0.0, "Hawk blocks have no dropout"),
 }
 
 
@@ -119,7 +124,8 @@ def make_blocks(
 ) -> tuple[AbstractRecurrentLayer, ...]:
     """`depth` residual blocks of width `width`, every recurrence with the backend
     `scan`: [`eqx_seq.S5Block`][]s around S5 or LRU layers,
-    [`eqx_seq.HawkBlock`][]s or [`eqx_seq.MambaBlock`][]s, or the blocks a user's
+    [`eqx_seq.HawkBlock`][]s, [`eqx_seq.MambaBlock`][]s or
+    [`eqx_seq.Mamba2Block`][]s, or the blocks a user's
     `mixer` makes. An argument that the mixer's blocks do not have
     (`BLOCK_ARGUMENTS`; `bidirectional=True` for the causal selective layers) is
     refused."""
@@ -154,6 +160,17 @@ def make_blocks(
             )
             blocks.append(MambaBlock(layer, norm=norm, dropout=dropout))
             continue
+        if mixer == "mamba2":
+            layer = Mamba2(
+                width,
+                state_size=state_size,
+                head_dim=mamba2_head_dim(width),
+                scan=scan,
+                dtype=dtype,
+                key=ssm_key,
+            )
+            blocks.append(Mamba2Block(layer, norm=norm, dropout=dropout))
+            continue
         if mixer == "s5":
             ssm = S5(
                 width,
@@ -186,6 +203,13 @@ def make_blocks(
             )
         )
     return tuple(blocks)
+
+
+def mamba2_head_dim(width: int) -> int:
+    """The channels per head of the models' Mamba-2 layers: Mamba-2's 64 where
+    they divide the layer's `2 * width` channels, else the largest divisor of
+    both."""
+    return math.gcd(2 * width, 64)
 
 
 def _own_block(mixer: Callable, width: int, dtype, key: PRNGKeyArray):

@@ -20,23 +20,25 @@ class SequenceClassifier(eqx.Module):
 
     The model of the S5 paper's classification tasks (Smith et al., 2023), built
     from [`eqx_seq.S5`][] (or [`eqx_seq.LRU`][]) inside [`eqx_seq.S5Block`][]s, or
-    from the selective layers: [`eqx_seq.HawkBlock`][]s (`mixer="rglru"`) or
-    [`eqx_seq.MambaBlock`][]s (`mixer="mamba"`). The backend is chosen once,
+    from the selective layers: [`eqx_seq.HawkBlock`][]s (`mixer="rglru"`),
+    [`eqx_seq.MambaBlock`][]s (`mixer="mamba"`) or [`eqx_seq.Mamba2Block`][]s
+    (`mixer="mamba2"`, heads of `gcd(2 * width, 64)` channels). The backend is
+    chosen once,
     `scan=`, and reaches every layer. Train it with
     `eqx_seq.s5_optimizer` (SSM parameters at their own learning rate, without
     weight decay).
 
     The arguments of the blocks that only some mixers have:
 
-    | argument        | `"s5"` | `"lru"` | `"rglru"` | `"mamba"` |
-    |-----------------|:------:|:-------:|:---------:|:---------:|
-    | `state_size`    |   ✓    |    ✓    |           |     ✓     |
-    | `ssm_blocks`    |   ✓    |         |           |           |
-    | `bidirectional` |   ✓    |    ✓    |           |           |
-    | `activation`    |   ✓    |    ✓    |           |           |
-    | `norm`          |   ✓    |    ✓    |           |     ✓     |
-    | `prenorm`       |   ✓    |    ✓    |           |           |
-    | `dropout`       |   ✓    |    ✓    |           |     ✓     |
+    | argument        | `"s5"` | `"lru"` | `"rglru"` | `"mamba"` | `"mamba2"` |
+    |-----------------|:------:|:-------:|:---------:|:---------:|:----------:|
+    | `state_size`    |   ✓    |    ✓    |           |     ✓     |     ✓      |
+    | `ssm_blocks`    |   ✓    |         |           |           |            |
+    | `bidirectional` |   ✓    |    ✓    |           |           |            |
+    | `activation`    |   ✓    |    ✓    |           |           |            |
+    | `norm`          |   ✓    |    ✓    |           |     ✓     |     ✓      |
+    | `prenorm`       |   ✓    |    ✓    |           |           |            |
+    | `dropout`       |   ✓    |    ✓    |           |     ✓     |     ✓      |
 
     One given a value other than its default with a mixer that has no such
     argument is refused (`ValueError`) rather than ignored. A mixer of your own
@@ -88,10 +90,11 @@ class SequenceClassifier(eqx.Module):
         - `depth`: the number of blocks.
         - `state_size`: each SSM's `state_size` (for Mamba, the states per
             channel). Not for `mixer="rglru"`: the RG-LRU's state is the width.
-        - `mixer`: `"s5"`, `"lru"`, `"rglru"` or `"mamba"`; or a mixer of your
-            own, a function `key -> eqx_seq.AbstractRecurrentLayer` that makes one
-            block from `(T, width)` to `(T, width)` (the model stacks `depth` of
-            them; the block arguments below keep their defaults).
+        - `mixer`: `"s5"`, `"lru"`, `"rglru"`, `"mamba"` or `"mamba2"`; or a
+            mixer of your own, a function `key -> eqx_seq.AbstractRecurrentLayer`
+            that makes one block from `(T, width)` to `(T, width)` (the model
+            stacks `depth` of them; the block arguments below keep their
+            defaults).
         - `ssm_blocks`: S5's `blocks` (HiPPO blocks of the initialisation);
             `mixer="s5"` only.
         - `bidirectional`: non-causal SSMs (a backward recurrence too; S5 and LRU

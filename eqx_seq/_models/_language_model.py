@@ -19,8 +19,8 @@ class LanguageModel(eqx.Module):
     """A causal language model: `Embedding` → recurrent blocks → norm → tied logits.
 
     The blocks are [`eqx_seq.S5Block`][]s around S5 or LRU layers,
-    [`eqx_seq.HawkBlock`][]s (`mixer="rglru"`) or [`eqx_seq.MambaBlock`][]s
-    (`mixer="mamba"`).
+    [`eqx_seq.HawkBlock`][]s (`mixer="rglru"`), [`eqx_seq.MambaBlock`][]s
+    (`mixer="mamba"`) or [`eqx_seq.Mamba2Block`][]s (`mixer="mamba2"`).
 
     The output layer is the embedding itself ([`eqx_seq.Embedding.attend`][]), so
     the model has one `(vocab_size, width)` table. Generation runs the blocks in

@@ -10,7 +10,8 @@ from ._block import S5Block as S5Block
 from ._hawk import HawkBlock as HawkBlock
 from ._lru import LRU as LRU
 from ._mamba import Mamba as Mamba, MambaState as MambaState
-from ._mamba_block import MambaBlock as MambaBlock
+from ._mamba2 import Mamba2 as Mamba2, Mamba2State as Mamba2State
+from ._mamba_block import Mamba2Block as Mamba2Block, MambaBlock as MambaBlock
 from ._optim import (
     s5_optimizer as s5_optimizer,
     ssm_param_labels as ssm_param_labels,

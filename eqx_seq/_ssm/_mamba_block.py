@@ -1,4 +1,4 @@
-"""The residual block around a Mamba layer: norm, Mamba, dropout, skip."""
+"""The residual blocks around the Mamba layers: norm, mixer, dropout, skip."""
 
 from typing import ClassVar, Literal
 
@@ -9,49 +9,27 @@ from jaxtyping import Array, ArrayLike, Bool, Float, PRNGKeyArray, Real
 
 from .._misc import check_sequence
 from ._mamba import Mamba, MambaState
+from ._mamba2 import Mamba2, Mamba2State
 from ._recurrent import AbstractRecurrentLayer
 
 
-class MambaBlock(AbstractRecurrentLayer):
-    """A residual block around a [`eqx_seq.Mamba`][] layer, as in the Mamba
-    paper's models: `x -> x + dropout(mamba(norm(x)))`.
-
-    The norm (`eqx.nn.RMSNorm` by default, or `eqx.nn.LayerNorm`) acts on each
-    time step, so the block has a step mode. Dropout uses one mask for all time
-    steps and is switched off by `eqx.nn.inference_mode`.
-
-    !!! Example
-
-        ```python
-        import jax.numpy as jnp, jax.random as jr
-        import eqx_seq
-
-        block = eqx_seq.MambaBlock(eqx_seq.Mamba(32, key=jr.key(0)))
-        y = block(jnp.ones((100, 32)))                     # (100, 32)
-        ```
-    """
+class _AbstractMambaBlock(AbstractRecurrentLayer):
+    """What `MambaBlock` and `Mamba2Block` share: all but the mixer's type."""
 
     recurrence_fields: ClassVar[tuple[str, ...]] = ()
-    mamba: Mamba
-    norm: eqx.nn.LayerNorm | eqx.nn.RMSNorm
-    dropout: eqx.nn.Dropout
+    mamba: eqx.AbstractVar[Mamba | Mamba2]
+    norm: eqx.AbstractVar[eqx.nn.LayerNorm | eqx.nn.RMSNorm]
+    dropout: eqx.AbstractVar[eqx.nn.Dropout]
 
-    def __init__(
-        self,
-        mamba: Mamba,
-        *,
-        norm: Literal["layer", "rms"] = "rms",
-        dropout: float = 0.0,
-    ):
-        """**Arguments:**
+    @property
+    def _name(self) -> str:
+        return type(self).__name__
 
-        - `mamba`: the sequence mixer, an [`eqx_seq.Mamba`][]; the block's feature
-            size is its `input_size`.
-        - `norm`: `"rms"` (`eqx.nn.RMSNorm`) or `"layer"` (`eqx.nn.LayerNorm`).
-        - `dropout`: the dropout probability on the mixer's output.
-        """
-        if not isinstance(mamba, Mamba):
-            raise ValueError(f"`mamba` must be an `eqx_seq.Mamba`, got {type(mamba)}.")
+    def _setup(self, mamba, kind: type, norm: str, dropout: float) -> None:
+        if not isinstance(mamba, kind):
+            raise ValueError(
+                f"`mamba` must be an `eqx_seq.{kind.__name__}`, got {type(mamba)}."
+            )
         if norm not in ("layer", "rms"):
             raise ValueError(f'`norm` must be "layer" or "rms", got {norm!r}.')
         if not 0 <= dropout < 1:
@@ -61,34 +39,34 @@ class MambaBlock(AbstractRecurrentLayer):
         self.norm = norm_cls(mamba.input_size, dtype=mamba.D.dtype)
         self.dropout = eqx.nn.Dropout(dropout)
 
-    @jax.named_scope("eqx_seq.MambaBlock")
     def __call__(
         self,
         x: Real[ArrayLike, "T H"],
         *,
         reset: Bool[ArrayLike, " T"] | None = None,
-        h0: MambaState | None = None,
+        h0: MambaState | Mamba2State | None = None,
         key: PRNGKeyArray | None = None,
     ) -> Float[Array, "T H"]:
         """**Arguments:**
 
         - `x`: one sequence, shape `(T, H)`.
         - `reset`: optional bools, shape `(T,)`, `True` where a segment starts
-            (packed sequences), see [`eqx_seq.Mamba`][].
-        - `h0`: the Mamba layer's state to continue from (streaming).
+            (packed sequences), see the layer's own `__call__`.
+        - `h0`: the layer's state to continue from (streaming).
         - `key`: for dropout (needed when `dropout > 0` outside inference mode).
 
         **Returns:**
 
         Shape `(T, H)`.
         """
-        # checked before the norm, whose own error would name `RMSNorm`
-        x = check_sequence(x, self.mamba.input_size, "MambaBlock")
-        y = self.mamba(jax.vmap(self.norm)(x), reset=reset, h0=h0)
-        mask = self.dropout(jnp.ones(y.shape[-1], y.dtype), key=key)
-        return x.astype(y.dtype) + y * mask[None]
+        with jax.named_scope(f"eqx_seq.{self._name}"):
+            # checked before the norm, whose own error would name `RMSNorm`
+            x = check_sequence(x, self.mamba.input_size, self._name)
+            y = self.mamba(jax.vmap(self.norm)(x), reset=reset, h0=h0)
+            mask = self.dropout(jnp.ones(y.shape[-1], y.dtype), key=key)
+            return x.astype(y.dtype) + y * mask[None]
 
-    def _check_state(self, state: object) -> MambaState:
+    def _check_state(self, state: object) -> MambaState | Mamba2State:
         """`state` if it is a pair of real floating arrays shaped as those of
         `init_state()`."""
         shapes = tuple(s.shape for s in jax.eval_shape(self.init_state))
@@ -103,12 +81,12 @@ class MambaBlock(AbstractRecurrentLayer):
                 else type(state).__name__
             )
             raise ValueError(
-                f"`MambaBlock.step`: `state` must be {expected}, got {given}."
+                f"`{self._name}.step`: `state` must be {expected}, got {given}."
             )
         parts = []
         for i, (part, shape) in enumerate(zip(state, shapes)):
             want = (
-                f"`MambaBlock.step`: `state[{i}]` ({('conv_state', 'ssm_state')[i]}) "
+                f"`{self._name}.step`: `state[{i}]` ({('conv_state', 'ssm_state')[i]}) "
                 f"must be a real floating array of shape {shape}, as in "
                 "`init_state()`, got"
             )
@@ -121,8 +99,8 @@ class MambaBlock(AbstractRecurrentLayer):
             parts.append(part)
         return tuple(parts)
 
-    def init_state(self) -> MambaState:
-        """The Mamba layer's zero state, for step mode."""
+    def init_state(self) -> MambaState | Mamba2State:
+        """The layer's zero state, for step mode."""
         return self.mamba.init_state()
 
     def final_state(
@@ -130,19 +108,19 @@ class MambaBlock(AbstractRecurrentLayer):
         x: Real[ArrayLike, "T H"],
         *,
         reset: Bool[ArrayLike, " T"] | None = None,
-        h0: MambaState | None = None,
-    ) -> MambaState:
-        """The Mamba layer's state after the last step of `x` (streaming)."""
-        z = jax.vmap(self.norm)(check_sequence(x, self.mamba.input_size, "MambaBlock"))
+        h0: MambaState | Mamba2State | None = None,
+    ) -> MambaState | Mamba2State:
+        """The layer's state after the last step of `x` (streaming)."""
+        z = jax.vmap(self.norm)(check_sequence(x, self.mamba.input_size, self._name))
         return self.mamba.final_state(z, reset=reset, h0=h0)
 
     def step(
         self,
-        state: MambaState,
+        state: MambaState | Mamba2State,
         x_t: Real[ArrayLike, " H"],
         *,
         reset: bool | Bool[ArrayLike, ""] = False,
-    ) -> tuple[MambaState, Float[Array, " H"]]:
+    ) -> tuple[MambaState | Mamba2State, Float[Array, " H"]]:
         """One step (RNN mode), equal to the parallel call in inference mode.
 
         **Arguments:**
@@ -163,8 +141,89 @@ class MambaBlock(AbstractRecurrentLayer):
         size = self.mamba.input_size
         if x_t.shape != (size,) or not jnp.issubdtype(x_t.dtype, jnp.floating):
             raise ValueError(
-                f"`MambaBlock.step` takes one real floating input of shape ({size},), "
-                f"got {x_t.dtype} of shape {x_t.shape}."
+                f"`{self._name}.step` takes one real floating input of shape "
+                f"({size},), got {x_t.dtype} of shape {x_t.shape}."
             )
         state, y = self.mamba.step(state, self.norm(x_t), reset=reset)
         return state, x_t.astype(y.dtype) + y
+
+
+class MambaBlock(_AbstractMambaBlock):
+    """A residual block around a [`eqx_seq.Mamba`][] layer, as in the Mamba
+    paper's models: `x -> x + dropout(mamba(norm(x)))`.
+
+    The norm (`eqx.nn.RMSNorm` by default, or `eqx.nn.LayerNorm`) acts on each
+    time step, so the block has a step mode. Dropout uses one mask for all time
+    steps and is switched off by `eqx.nn.inference_mode`.
+
+    !!! Example
+
+        ```python
+        import jax.numpy as jnp, jax.random as jr
+        import eqx_seq
+
+        block = eqx_seq.MambaBlock(eqx_seq.Mamba(32, key=jr.key(0)))
+        y = block(jnp.ones((100, 32)))                     # (100, 32)
+        ```
+    """
+
+    mamba: Mamba
+    norm: eqx.nn.LayerNorm | eqx.nn.RMSNorm
+    dropout: eqx.nn.Dropout
+
+    def __init__(
+        self,
+        mamba: Mamba,
+        *,
+        norm: Literal["layer", "rms"] = "rms",
+        dropout: float = 0.0,
+    ):
+        """**Arguments:**
+
+        - `mamba`: the sequence mixer, an [`eqx_seq.Mamba`][]; the block's feature
+            size is its `input_size`.
+        - `norm`: `"rms"` (`eqx.nn.RMSNorm`) or `"layer"` (`eqx.nn.LayerNorm`).
+        - `dropout`: the dropout probability on the mixer's output.
+        """
+        self._setup(mamba, Mamba, norm, dropout)
+
+
+class Mamba2Block(_AbstractMambaBlock):
+    """A residual block around a [`eqx_seq.Mamba2`][] layer, as in the Mamba-2
+    paper's models: `x -> x + dropout(mamba(norm(x)))`.
+
+    The norm (`eqx.nn.RMSNorm` by default, or `eqx.nn.LayerNorm`) acts on each
+    time step, so the block has a step mode. Dropout uses one mask for all time
+    steps and is switched off by `eqx.nn.inference_mode`.
+
+    !!! Example
+
+        ```python
+        import jax.numpy as jnp, jax.random as jr
+        import eqx_seq
+
+        layer = eqx_seq.Mamba2(32, state_size=16, head_dim=16, key=jr.key(0))
+        block = eqx_seq.Mamba2Block(layer)
+        y = block(jnp.ones((100, 32)))                     # (100, 32)
+        ```
+    """
+
+    mamba: Mamba2
+    norm: eqx.nn.LayerNorm | eqx.nn.RMSNorm
+    dropout: eqx.nn.Dropout
+
+    def __init__(
+        self,
+        mamba: Mamba2,
+        *,
+        norm: Literal["layer", "rms"] = "rms",
+        dropout: float = 0.0,
+    ):
+        """**Arguments:**
+
+        - `mamba`: the sequence mixer, an [`eqx_seq.Mamba2`][]; the block's
+            feature size is its `input_size`.
+        - `norm`: `"rms"` (`eqx.nn.RMSNorm`) or `"layer"` (`eqx.nn.LayerNorm`).
+        - `dropout`: the dropout probability on the mixer's output.
+        """
+        self._setup(mamba, Mamba2, norm, dropout)

@@ -37,10 +37,10 @@ def ssm_param_labels(model: PyTree) -> PyTree[str | None]:
     [`eqx_seq.AbstractRecurrentLayer`][] (a user's own included): in every
     [`eqx_seq.S5`][] and [`eqx_seq.LRU`][], the per-state parameters (S5:
     `lambda_re`, `lambda_im`, `log_step`; LRU: `nu_log`, `theta_log`,
-    `gamma_log`) and the input matrix `B`; in every [`eqx_seq.Mamba`][], `A_log`,
-    `D` and `dt_bias`; in every [`eqx_seq.RGLRU`][], `a_param`. Every other
-    floating array is `"regular"`, and everything else `None`, so the labels have
-    the structure of `eqx.filter(model, eqx.is_inexact_array)`.
+    `gamma_log`) and the input matrix `B`; in every [`eqx_seq.Mamba`][] and
+    [`eqx_seq.Mamba2`][], `A_log`, `D` and `dt_bias`; in every
+    [`eqx_seq.RGLRU`][], `a_param`. Every other floating array is `"regular"`, and
+    everything else `None`, so the labels have the structure of `eqx.filter(model, eqx.is_inexact_array)`.
 
     **Arguments:**
 

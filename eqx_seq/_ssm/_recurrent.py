@@ -12,7 +12,8 @@ class AbstractRecurrentLayer(eqx.Module):
     at a time from `init_state()` (`step`), all three agreeing.
 
     [`eqx_seq.S5`][], [`eqx_seq.LRU`][], [`eqx_seq.S5Block`][], [`eqx_seq.RGLRU`][],
-    [`eqx_seq.HawkBlock`][], [`eqx_seq.Mamba`][] and [`eqx_seq.MambaBlock`][] are
+    [`eqx_seq.HawkBlock`][], [`eqx_seq.Mamba`][], [`eqx_seq.MambaBlock`][],
+    [`eqx_seq.Mamba2`][] and [`eqx_seq.Mamba2Block`][] are
     such layers. Subclass it to write one of your own: implement the four methods
     and declare `recurrence_fields`. A layer may take more keyword arguments than
     these (S5's `dt`, the selective layers' `reset`).

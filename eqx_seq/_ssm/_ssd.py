@@ -198,7 +198,7 @@ def _check_shapes(name: str, arrays: dict, time: tuple) -> None:
             )
 
 
-def _check_limit(name: str, dt_limit) -> tuple[float, float]:
+def check_dt_limit(name: str, dt_limit) -> tuple[float, float]:
     try:
         lo, hi = (float(v) for v in dt_limit)
     except (TypeError, ValueError):
@@ -318,7 +318,7 @@ def ssd_scan(
     name = "eqx_seq.ssd_scan"
     check_positive_int("chunk_size", chunk_size)
     chosen = check_scan(scan, name=name, splits_time=True)
-    limit = _check_limit(name, dt_limit)
+    limit = check_dt_limit(name, dt_limit)
     given = dict(x=x, dt=dt, A=A, B=B, C=C, D=D, z=z, dt_bias=dt_bias, h0=h0)
     arrays = _arrays(name, given)
     _check_shapes(name, arrays, time=(None,))
@@ -401,7 +401,7 @@ def ssd_step(
         ```
     """
     name = "eqx_seq.ssd_step"
-    limit = _check_limit(name, dt_limit)
+    limit = check_dt_limit(name, dt_limit)
     given = dict(x=x, state=state, dt=dt, A=A, B=B, C=C, D=D, z=z, dt_bias=dt_bias)
     arrays = _arrays(name, given)
     _check_shapes(name, arrays, time=())
