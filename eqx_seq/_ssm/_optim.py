@@ -40,7 +40,8 @@ def ssm_param_labels(model: PyTree) -> PyTree[str | None]:
     `gamma_log`) and the input matrix `B`; in every [`eqx_seq.Mamba`][] and
     [`eqx_seq.Mamba2`][], `A_log`, `D` and `dt_bias`; in every
     [`eqx_seq.RGLRU`][], `a_param`. Every other floating array is `"regular"`, and
-    everything else `None`, so the labels have the structure of `eqx.filter(model, eqx.is_inexact_array)`.
+    everything else `None`, so the labels have the structure of
+    `eqx.filter(model, eqx.is_inexact_array)`.
 
     **Arguments:**
 
