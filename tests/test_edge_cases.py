@@ -325,16 +325,16 @@ _BAD_BLOCK_ARGUMENTS = [
     ("prenorm", "no"),
 ]
 _APPLIES = {
-    "state_size": ("s5", "lru", "mamba"),
+    "state_size": ("s5", "lru", "mamba", "mamba2"),
     "ssm_blocks": ("s5",),
     "activation": ("s5", "lru"),
-    "norm": ("s5", "lru", "mamba"),
+    "norm": ("s5", "lru", "mamba", "mamba2"),
     "prenorm": ("s5", "lru"),
-    "dropout": ("s5", "lru", "mamba"),
+    "dropout": ("s5", "lru", "mamba", "mamba2"),
 }
 
 
-@pytest.mark.parametrize("mixer", ["s5", "lru", "rglru", "mamba"])
+@pytest.mark.parametrize("mixer", ["s5", "lru", "rglru", "mamba", "mamba2"])
 @pytest.mark.parametrize("name, value", _BAD_BLOCK_ARGUMENTS)
 def test_classifier_refuses_block_arguments_bad_or_not_the_mixers(name, value, mixer):
     kwargs = {"width": 8, "depth": 1, "mixer": mixer, name: value}

@@ -30,8 +30,8 @@ def lm(key, scan=eqx_seq.AutoScan(), **kw):
     return eqx_seq.LanguageModel(11, scan=scan, key=key, **small(kw))
 
 
-MIXERS = ["s5", "lru", "rglru", "mamba"]
-RECURRENT = (eqx_seq.AbstractDiagonalSSM, eqx_seq.RGLRU, eqx_seq.Mamba)
+MIXERS = ["s5", "lru", "rglru", "mamba", "mamba2"]
+RECURRENT = (eqx_seq.AbstractDiagonalSSM, eqx_seq.RGLRU, eqx_seq.Mamba, eqx_seq.Mamba2)
 
 
 def every_layer_scan(model):

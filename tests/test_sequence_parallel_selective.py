@@ -261,6 +261,10 @@ LAYERS = {
     "hawk": lambda scan, key: eqx_seq.HawkBlock(
         4, num_heads=2, conv_size=3, scan=scan, key=key
     ),
+    # two heads in two groups; chunks of the SSD that do not divide a block
+    "mamba2": lambda scan, key: eqx_seq.Mamba2(
+        4, state_size=3, head_dim=4, ngroups=2, chunk_size=4, scan=scan, key=key
+    ),
 }
 
 
@@ -306,7 +310,7 @@ def test_layers(name, reset):
     _assert_close(g_split, g_one, max_abs=1e-10)
 
 
-@pytest.mark.parametrize("name", ["mamba", "hawk"])
+@pytest.mark.parametrize("name", ["mamba", "hawk", "mamba2"])
 def test_initial_and_final_state(name):
     """Streaming across a split: `h0` (convolution and recurrence) is the first
     device's, and `final_state` on the last device is the whole sequence's."""

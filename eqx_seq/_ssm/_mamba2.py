@@ -273,7 +273,8 @@ class Mamba2(AbstractRecurrentLayer):
         lead = g.shape[:-1]
         g = g.reshape(*lead, self.ngroups, -1)
         g = g * jax.lax.rsqrt(jnp.mean(g * g, axis=-1, keepdims=True) + self.norm_eps)
-        return g.reshape(*lead, -1) * self.norm_weight.astype(g.dtype)
+        weight = self.norm_weight.astype(g.dtype)
+        return g.reshape(*lead, -1) * weight.reshape((1,) * len(lead) + (-1,))
 
     def _run(
         self, x: Array, h0: Mamba2State | None, reset: Array | None
