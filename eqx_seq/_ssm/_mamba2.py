@@ -103,7 +103,7 @@ class Mamba2(AbstractRecurrentLayer):
         dt_init_floor: float = 1e-4,
         dt_limit: tuple[float, float] = (0.0, float("inf")),
         norm_eps: float = 1e-5,
-        chunk_size: int = 256,
+        chunk_size: int = 64,
         scan: AbstractScan = AutoScan(),
         dtype=None,
         key: PRNGKeyArray,
@@ -123,7 +123,9 @@ class Mamba2(AbstractRecurrentLayer):
         - `dt_limit`: `(low, high)`, the step sizes clamped to it (the default
             clamps nothing).
         - `norm_eps`: the gated RMS norm's epsilon.
-        - `chunk_size`: [`eqx_seq.ssd_scan`][]'s steps per chunk.
+        - `chunk_size`: [`eqx_seq.ssd_scan`][]'s steps per chunk (the reference's
+            256 suits GPUs; on CPU shorter chunks are faster, see the benchmarks
+            page).
         - `scan`: the backend of the recurrence between chunks, an
             [`eqx_seq.AbstractScan`][]; with [`eqx_seq.ShardedScan`][] the
             convolution also reads the `conv_size - 1` inputs before each device's

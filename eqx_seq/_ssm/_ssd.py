@@ -280,7 +280,10 @@ def ssd_scan(
         sequences): there the state restarts from zero, so each segment gives the
         outputs of a separate call (`h0` is ignored at a reset on step 0).
     - `return_final_state`: also return the state after the last step.
-    - `chunk_size`: the steps per chunk (`T` need not be a multiple of it).
+    - `chunk_size`: the steps per chunk (`T` need not be a multiple of it). The
+        work inside chunks grows with it and the recurrence between them shrinks:
+        on CPU short chunks are faster, on GPUs longer ones (the reference uses
+        256); the benchmarks page has the sweep.
     - `scan`: the backend of the recurrence between chunks, an
         [`eqx_seq.AbstractScan`][].
 
