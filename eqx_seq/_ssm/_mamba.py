@@ -32,7 +32,7 @@ MambaState = TypeAliasType(
 )
 
 
-def _linear(key, fan_in: int, fan_out: int, dtype) -> Array:
+def linear_weight(key, fan_in: int, fan_out: int, dtype) -> Array:
     """A `(fan_out, fan_in)` weight, uniform in `±1/sqrt(fan_in)`."""
     bound = fan_in**-0.5
     return jr.uniform(key, (fan_out, fan_in), dtype, minval=-bound, maxval=bound)
@@ -138,10 +138,10 @@ class Mamba(AbstractRecurrentLayer):
         dtype = check_parameter_dtype("Mamba", dtype)
         E = expand * input_size
         ikey, ckey, xkey, dkey, bkey, okey = jr.split(key, 6)
-        self.in_proj = _linear(ikey, input_size, 2 * E, dtype)
+        self.in_proj = linear_weight(ikey, input_size, 2 * E, dtype)
         self.conv = CausalConv(E, conv_size, dtype=dtype, key=ckey)
-        self.x_proj = _linear(xkey, E, dt_rank + 2 * state_size, dtype)
-        self.dt_proj = _linear(dkey, dt_rank, E, dtype)
+        self.x_proj = linear_weight(xkey, E, dt_rank + 2 * state_size, dtype)
+        self.dt_proj = linear_weight(dkey, dt_rank, E, dtype)
         # Δ = softplus(b_Δ) at the start: b_Δ is its inverse softplus
         log_dt = jr.uniform(
             bkey, (E,), dtype, minval=math.log(dt_min), maxval=math.log(dt_max)
@@ -152,7 +152,7 @@ class Mamba(AbstractRecurrentLayer):
         rates = jnp.arange(1, state_size + 1, dtype=dtype)
         self.A_log = jnp.log(jnp.broadcast_to(rates, (E, state_size)))
         self.D = jnp.ones(E, dtype)
-        self.out_proj = _linear(okey, E, input_size, dtype)
+        self.out_proj = linear_weight(okey, E, input_size, dtype)
         self.input_size = input_size
         self.state_size = state_size
         self.dt_rank = dt_rank

@@ -20,6 +20,7 @@ from .._misc import (
 )
 from .._scan import AbstractScan, AutoScan, check_scan
 from ._conv import CausalConv
+from ._mamba import linear_weight
 from ._recurrent import AbstractRecurrentLayer
 from ._ssd import check_dt_limit, ssd_scan, ssd_step
 
@@ -29,12 +30,6 @@ from ._ssd import check_dt_limit, ssd_scan, ssd_step
 Mamba2State = TypeAliasType(
     "Mamba2State", tuple[Float[Array, "K1 C"], Float[Array, "Hd P N"]]
 )
-
-
-def _linear(key, fan_in: int, fan_out: int, dtype) -> Array:
-    """A `(fan_out, fan_in)` weight, uniform in `±1/sqrt(fan_in)`."""
-    bound = fan_in**-0.5
-    return jr.uniform(key, (fan_out, fan_in), dtype, minval=-bound, maxval=bound)
 
 
 class Mamba2(AbstractRecurrentLayer):
@@ -172,7 +167,7 @@ class Mamba2(AbstractRecurrentLayer):
         dtype = check_parameter_dtype("Mamba2", dtype)
         GN = ngroups * state_size
         ikey, ckey, dkey, akey, okey = jr.split(key, 5)
-        self.in_proj = _linear(ikey, input_size, 2 * E + 2 * GN + heads, dtype)
+        self.in_proj = linear_weight(ikey, input_size, 2 * E + 2 * GN + heads, dtype)
         self.conv = CausalConv(E + 2 * GN, conv_size, dtype=dtype, key=ckey)
         # the step size starts at softplus(dt_bias): dt_bias is its inverse softplus
         log_dt = jr.uniform(
@@ -183,7 +178,7 @@ class Mamba2(AbstractRecurrentLayer):
         self.A_log = jnp.log(jr.uniform(akey, (heads,), dtype, minval=lo, maxval=hi))
         self.D = jnp.ones(heads, dtype)
         self.norm_weight = jnp.ones(E, dtype)
-        self.out_proj = _linear(okey, E, input_size, dtype)
+        self.out_proj = linear_weight(okey, E, input_size, dtype)
         self.input_size = input_size
         self.state_size = state_size
         self.head_dim = head_dim
