@@ -46,11 +46,12 @@ def _masked_exp(keep: Array, x: Array) -> Array:
 
 # --- one chunk: `Q` steps, vmapped over the chunks ---
 #
-# `log_a` (Q, G, R): the log-decays `dt A`; `xdt` (Q, G, R, P): the inputs times
-# `dt`; `B`, `C` (Q, G, N); `segment` (Q,): the resets counted from the chunk's
-# start (0 before its first reset); `h_in` (G, R, P, N): the state entering it.
-# Both functions are rematerialised: the backward pass recomputes a chunk's
-# `Q x Q` weights rather than keeping them.
+# Head-major, so that the products batch over the leading axes: `log_a` (G, R, Q):
+# the log-decays `dt A`; `xdt` (G, R, Q, P): the inputs times `dt`; `B`, `C`
+# (G, Q, N); `segment` (Q,): the resets counted from the chunk's start (0 before
+# its first reset); `h_in` (G, R, P, N): the state entering it. Both functions are
+# rematerialised: the backward pass recomputes a chunk's `Q x Q` weights rather
+# than keeping them.
 
 
 @jax.checkpoint
@@ -59,28 +60,28 @@ def _chunk_state(log_a, xdt, B, segment):
     B_t^T` over the steps of its last segment, `(G, R, P, N)`, and the decay
     `alpha = exp(L_Q)` that carries the entering state through it, `(G, R)`,
     zero if a segment starts in the chunk (`L_s = sum_{t <= s} log_a_t`)."""
-    L = jnp.cumsum(log_a, axis=0)
-    last = (segment == segment[-1])[:, None, None]
-    weight = _masked_exp(last, L[-1][None] - L)
-    S = jnp.einsum("tgr,tgrp,tgn->grpn", weight, xdt, B)
-    return S, _masked_exp(segment[-1] == 0, L[-1])
+    L = jnp.cumsum(log_a, axis=-1)
+    last = segment == segment[-1]
+    weight = _masked_exp(last[None, None], L[..., -1:] - L)
+    S = jnp.einsum("grtp,gtn->grpn", weight[..., None] * xdt, B)
+    return S, _masked_exp(segment[-1] == 0, L[..., -1])
 
 
 @jax.checkpoint
 def _chunk_output(log_a, xdt, B, C, segment, h_in):
-    """The chunk's outputs, `(Q, G, R, P)`: its own inputs through the masked
+    """The chunk's outputs, `(G, R, Q, P)`: its own inputs through the masked
     products `y_s = sum_{t <= s} (C_s . B_t) exp(L_s - L_t) xdt_t` (`t` in `s`'s
     segment), plus the entering state read out as `exp(L_s) C_s h_in` before the
     chunk's first reset."""
-    L = jnp.cumsum(log_a, axis=0)
-    Q = L.shape[0]
+    L = jnp.cumsum(log_a, axis=-1)
+    Q = L.shape[-1]
     causal = jnp.arange(Q)[:, None] >= jnp.arange(Q)[None, :]
     same = (segment[:, None] == segment[None, :]) & causal  # (s, t)
-    decay = _masked_exp(same[..., None, None], L[:, None] - L[None, :])  # (s, t, G, R)
-    CB = jnp.einsum("sgn,tgn->stg", C, B)
-    own = jnp.einsum("stgr,stg,tgrp->sgrp", decay, CB, xdt)
-    entry = _masked_exp((segment == 0)[:, None, None], L)
-    read = jnp.einsum("sgn,grpn->sgrp", C, h_in)
+    decay = _masked_exp(same[None, None], L[..., :, None] - L[..., None, :])
+    CB = jnp.einsum("gsn,gtn->gst", C, B)
+    own = jnp.einsum("grst,grtp->grsp", decay * CB[:, None], xdt)
+    entry = _masked_exp((segment == 0)[None, None], L)
+    read = jnp.einsum("gsn,grpn->grsp", C, h_in)
     return own + entry[..., None] * read
 
 
@@ -99,12 +100,15 @@ def _run(scan, chunk, x, dt, A, B, C, D, z, h0, reset, dt_bias, softplus, limit)
     K = (T + pad) // chunk
 
     def chunks(v, *shape):
+        """`v` padded, cut into chunks and made head-major: `(K, *shape, Q, ...)`
+        from `(T, *shape, ...)`, `shape` the axes before the chunk's steps."""
         v = jnp.pad(v, [(0, pad)] + [(0, 0)] * (v.ndim - 1))
-        return v.reshape(K, chunk, *shape)
+        v = v.reshape(K, chunk, *v.shape[1:])
+        return jnp.moveaxis(v, 1, 1 + len(shape))
 
-    log_a = chunks(dt * A[None], G, R)
-    xdt = chunks(x * dt[..., None], G, R, P)
-    B, C = chunks(B, G, N), chunks(C, G, N)
+    log_a = chunks((dt * A[None]).reshape(T, G, R), G, R)
+    xdt = chunks((x * dt[..., None]).reshape(T, G, R, P), G, R)
+    B, C = chunks(B, G), chunks(C, G)
     starts = jnp.zeros((T,), jnp.int32) if reset is None else reset.astype(jnp.int32)
     segment = jnp.cumsum(chunks(starts), axis=1)
     S, alpha = jax.vmap(_chunk_state)(log_a, xdt, B, segment)
@@ -113,8 +117,8 @@ def _run(scan, chunk, x, dt, A, B, C, D, z, h0, reset, dt_bias, softplus, limit)
     # between chunks: the diagonal recurrence, one decay per head
     h = linear_recurrence(alpha[..., None, None], S, h0, scan=scan)
     h_in = scan.shift(h, h0)
-    y = jax.vmap(_chunk_output)(log_a, xdt, B, C, segment, h_in)
-    y = y.reshape(K * chunk, H, P)[:T]
+    y = jax.vmap(_chunk_output)(log_a, xdt, B, C, segment, h_in)  # (K, G, R, Q, P)
+    y = jnp.moveaxis(y, 3, 1).reshape(K * chunk, H, P)[:T]
     if D is not None:
         y = y + (D[None, :, None] if D.ndim == 1 else D[None]) * x
     if z is not None:
