@@ -52,7 +52,7 @@ def mamba2_reference(layer: eqx_seq.Mamba2, x, reset=None):
     C = xbc[:, E + G * N :].reshape(T, G, N)
     y, _ = numpy_loop(
         xs, dt, -np.exp(w["A_log"]), B, C, w["D"], dt_bias=w["dt_b"][None],
-        dt_softplus=True,
+        dt_softplus=True, negative_decays=layer.negative_decays,
     )  # fmt: skip
     g = (y.reshape(T, E) * silu(z)).reshape(T, G, E // G)
     g = g / np.sqrt(np.mean(g**2, axis=-1, keepdims=True) + layer.norm_eps)
@@ -68,7 +68,8 @@ def test_matches_numpy_and_every_form_agrees(getkey):
     """The parallel call (with and without resets) against the NumPy equations;
     step mode from `init_state()`, streaming in two chunks through `final_state`,
     and the associative backend against it: one compiled program of each."""
-    layer = _layer(getkey())
+    key = getkey()
+    layer = _layer(key)
     T = 23
     x = jr.normal(getkey(), (T, 8), jnp.float64)
     reset = jnp.zeros(T, bool).at[jnp.array([7, 8, 15])].set(True)
@@ -90,6 +91,9 @@ def test_matches_numpy_and_every_form_agrees(getkey):
 
     y, y_reset, streamed, stepped, final, whole, y_assoc = forms(layer, assoc, x, reset)
     tol = dict(rtol=1e-9, atol=1e-11)
+    negative = _layer(key, negative_decays=True)  # the same parameters
+    outputs = forms(negative, assoc, x, reset)
+    y_negative, stepped_negative = outputs[0], outputs[3]
     np.testing.assert_allclose(y, mamba2_reference(layer, x), **tol)
     np.testing.assert_allclose(y_reset, mamba2_reference(layer, x, reset), **tol)
     np.testing.assert_allclose(streamed, y_reset[11:], **tol)
@@ -97,6 +101,12 @@ def test_matches_numpy_and_every_form_agrees(getkey):
     for a, b in zip(final, whole):
         np.testing.assert_allclose(a, b, **tol)
     np.testing.assert_allclose(y_assoc, y_reset, **tol)
+    # decays in (-1, 1): the parallel call against NumPy, and step mode
+    np.testing.assert_allclose(y_negative, mamba2_reference(negative, x), **tol)
+    assert not np.allclose(y_negative, y)
+    np.testing.assert_allclose(
+        stepped_negative, mamba2_reference(negative, x, reset), **tol
+    )
 
 
 def test_gradients_match_finite_differences(getkey):

@@ -29,9 +29,10 @@ def numpy_loop(x, dt, A, B, C, D=None, z=None, h0=None, reset=None, **options):
             h = np.zeros_like(h)
         for k in range(H):
             g = k // (H // G)
-            h[k] = np.exp(dt[t, k] * A[k]) * h[k] + dt[t, k] * np.outer(
-                x[t, k], B[t, g]
-            )
+            a = np.exp(dt[t, k] * A[k])
+            if options.get("negative_decays"):
+                a = 2 * a - 1
+            h[k] = a * h[k] + dt[t, k] * np.outer(x[t, k], B[t, g])
             ys[t, k] = h[k] @ C[t, g]
     if D is not None:
         ys = ys + (D[:, None] if D.ndim == 1 else D) * x
@@ -54,7 +55,13 @@ def jax_loop(x, dt, A, B, C, D=None, z=None, h0=None, reset=None, **options):
 
     def step(h, row):
         x_t, dt_t, B_t, C_t, keep_t = row
-        decay = keep_t * jnp.exp(dt_t * A)
+        decay = jnp.exp(dt_t * A)
+        if options.get("negative_decays"):
+            decay = 2 * decay - 1
+            # `ssd_scan`'s convention: a decay of exactly zero forgets the state
+            # as a reset does, its derivative included
+            decay = jnp.where(decay == 0, jax.lax.stop_gradient(decay), decay)
+        decay = keep_t * decay
         h = decay[:, None, None] * h + (dt_t[:, None] * x_t)[..., None] * B_t[:, None]
         return h, jnp.einsum("hpn,hn->hp", h, C_t)
 
@@ -93,6 +100,12 @@ CASES = {
         T=17, H=3, P=2, G=3, N=2, chunk=4, D=(3,), h0=True,
         reset=[0, 5, 6, 8, 13], options=dict(dt_softplus=True),
     ),
+    # decays in (-1, 1), a reset, and one decay exactly zero (a forgetting step of
+    # one head only, set in `_case`)
+    "negative decays, zero decay, groups": dict(
+        T=18, H=4, P=2, G=2, N=3, chunk=5, h0=True, reset=[9],
+        options=dict(negative_decays=True),
+    ),
 }  # fmt: skip
 
 
@@ -108,6 +121,11 @@ def _case(name):
         options["dt_bias"] = np.full(c["H"], options["dt_bias"])
     if not options.get("dt_softplus"):
         arrays["dt"] = np.abs(arrays["dt"])
+    if options.get("negative_decays"):
+        # large steps give negative decays; dt A = -log 2 gives a decay of zero
+        arrays["dt"] = arrays["dt"] * 3
+        arrays["A"][1] = -1.0
+        arrays["dt"][6, 1] = np.log(2.0)
     reset = None
     if "reset" in c:
         reset = np.zeros(c["T"], bool)
@@ -122,6 +140,7 @@ def _case(name):
         ("groups, D, z, h0, bias, limit", "associative"),
         ("resets, h0, D", "sequential"),
         ("resets, h0, D", "associative"),
+        ("negative decays, zero decay, groups", "sequential"),
     ],
 )
 def test_matches_the_recurrent_form(name, backend):

@@ -81,6 +81,7 @@ class Mamba2(AbstractRecurrentLayer):
     chunk_size: int = eqx.field(static=True)
     dt_limit: tuple[float, float] = eqx.field(static=True)
     norm_eps: float = eqx.field(static=True)
+    negative_decays: bool = eqx.field(static=True)
     scan: AbstractScan
 
     def __init__(
@@ -98,6 +99,7 @@ class Mamba2(AbstractRecurrentLayer):
         dt_init_floor: float = 1e-4,
         dt_limit: tuple[float, float] = (0.0, float("inf")),
         norm_eps: float = 1e-5,
+        negative_decays: bool = False,
         chunk_size: int = 64,
         scan: AbstractScan = AutoScan(),
         dtype=None,
@@ -118,6 +120,8 @@ class Mamba2(AbstractRecurrentLayer):
         - `dt_limit`: `(low, high)`, the step sizes clamped to it (the default
             clamps nothing).
         - `norm_eps`: the gated RMS norm's epsilon.
+        - `negative_decays`: decays `2 exp(dt A) - 1` in `(-1, 1)` instead of
+            `exp(dt A)`, for state tracking (see [`eqx_seq.ssd_scan`][]).
         - `chunk_size`: [`eqx_seq.ssd_scan`][]'s steps per chunk (the reference's
             256 suits GPUs; on CPU shorter chunks are faster, see the benchmarks
             page).
@@ -186,6 +190,11 @@ class Mamba2(AbstractRecurrentLayer):
         self.chunk_size = chunk_size
         self.dt_limit = dt_limit
         self.norm_eps = norm_eps
+        if not isinstance(negative_decays, bool):
+            raise ValueError(
+                f"`negative_decays` must be a bool, got {negative_decays!r}."
+            )
+        self.negative_decays = negative_decays
         self.scan = scan
 
     @property
@@ -292,6 +301,7 @@ class Mamba2(AbstractRecurrentLayer):
             dt_bias=self.dt_bias.astype(dtype),
             dt_softplus=True,
             dt_limit=self.dt_limit,
+            negative_decays=self.negative_decays,
             h0=None if ssm_state is None else ssm_state.astype(dtype),
             reset=reset,
             return_final_state=True,
@@ -395,6 +405,7 @@ class Mamba2(AbstractRecurrentLayer):
             dt_bias=self.dt_bias.astype(dtype),
             dt_softplus=True,
             dt_limit=self.dt_limit,
+            negative_decays=self.negative_decays,
         )
         y = self._gated_norm(y.reshape(-1), z)
         return (conv_state, h), y @ self.out_proj.astype(dtype).T

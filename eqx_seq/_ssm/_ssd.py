@@ -37,38 +37,59 @@ def _step_sizes(dt, dt_bias, dt_softplus: bool, dt_limit: tuple[float, float]):
     return dt
 
 
-def _masked_exp(keep: Array, x: Array) -> Array:
-    """`exp(x)` where `keep`, else zero. The rest is selected away before `exp`
-    (there the argument may be a positive gap that overflows), so that neither the
-    value nor its derivative sees it."""
-    return jnp.exp(jnp.where(keep, x, -jnp.inf))
+def _masked_exp(keep: Array, x: Array, flips: Array | None = None) -> Array:
+    """`exp(x)` where `keep`, else zero, negated where `flips` is odd (a product
+    of decays with that many negative ones). The rest is selected away before
+    `exp` (there the argument may be a positive gap that overflows), so that
+    neither the value nor its derivative sees it."""
+    out = jnp.exp(jnp.where(keep, x, -jnp.inf))
+    return out if flips is None else jnp.where(flips % 2 == 1, -out, out)
+
+
+def _log_decays(dt: Array, A: Array, negative: bool):
+    """`(log|a|, a < 0, a == 0)` of the decays `a = exp(dt A)`, or with `negative`
+    `a = 2 exp(dt A) - 1` (in `(-1, 1)` for `dt A < 0`: Grazzi et al., 2025). A
+    zero decay forgets the state, as a reset does: its `log|a|` is set to 0 and the
+    step counted as a segment start."""
+    x = dt * A[None]
+    if not negative:
+        return x, None, None
+    a = 1 + 2 * jnp.expm1(x)
+    zero = a == 0
+    return jnp.log(jnp.abs(jnp.where(zero, 1, a))), a < 0, zero
 
 
 # --- one chunk: `Q` steps, vmapped over the chunks ---
 #
 # Head-major, so that the products batch over the leading axes: `log_a` (G, R, Q):
-# the log-decays `dt A`; `xdt` (G, R, Q, P): the inputs times `dt`; `B`, `C`
-# (G, Q, N); `segment` (Q,): the resets counted from the chunk's start (0 before
-# its first reset); `h_in` (G, R, P, N): the state entering it. Both functions are
+# the log-decays `log|a|`; `xdt` (G, R, Q, P): the inputs times `dt`; `B`, `C`
+# (G, Q, N); `segment` (G, R, Q), or (1, 1, Q) for all heads: the resets counted
+# from the chunk's start (0 before its first reset); `flips` (G, R, Q) or `None`:
+# the negative decays counted likewise; `h_in` (G, R, P, N): the state entering
+# it. Both functions are
 # rematerialised: the backward pass recomputes a chunk's `Q x Q` weights rather
 # than keeping them.
 
 
 @jax.checkpoint
-def _chunk_state(log_a, xdt, B, segment):
+def _chunk_state(log_a, xdt, B, segment, flips):
     """The chunk's own contribution to its last state, `sum_t exp(L_Q - L_t) xdt_t
     B_t^T` over the steps of its last segment, `(G, R, P, N)`, and the decay
     `alpha = exp(L_Q)` that carries the entering state through it, `(G, R)`,
-    zero if a segment starts in the chunk (`L_s = sum_{t <= s} log_a_t`)."""
+    zero if a segment starts in the chunk (`L_s = sum_{t <= s} log_a_t`; with
+    negative decays, `flips` counts them as `L` sums their logs, and the products
+    take their signs)."""
     L = jnp.cumsum(log_a, axis=-1)
-    last = segment == segment[-1]
-    weight = _masked_exp(last[None, None], L[..., -1:] - L)
+    last = segment == segment[..., -1:]
+    gap = None if flips is None else flips[..., -1:] - flips
+    weight = _masked_exp(last, L[..., -1:] - L, gap)
     S = jnp.einsum("grtp,gtn->grpn", weight[..., None] * xdt, B)
-    return S, _masked_exp(segment[-1] == 0, L[..., -1])
+    total = None if flips is None else flips[..., -1]
+    return S, _masked_exp(segment[..., -1] == 0, L[..., -1], total)
 
 
 @jax.checkpoint
-def _chunk_output(log_a, xdt, B, C, segment, h_in):
+def _chunk_output(log_a, xdt, B, C, segment, flips, h_in):
     """The chunk's outputs, `(G, R, Q, P)`: its own inputs through the masked
     products `y_s = sum_{t <= s} (C_s . B_t) exp(L_s - L_t) xdt_t` (`t` in `s`'s
     segment), plus the entering state read out as `exp(L_s) C_s h_in` before the
@@ -76,11 +97,12 @@ def _chunk_output(log_a, xdt, B, C, segment, h_in):
     L = jnp.cumsum(log_a, axis=-1)
     Q = L.shape[-1]
     causal = jnp.arange(Q)[:, None] >= jnp.arange(Q)[None, :]
-    same = (segment[:, None] == segment[None, :]) & causal  # (s, t)
-    decay = _masked_exp(same[None, None], L[..., :, None] - L[..., None, :])
+    same = (segment[..., :, None] == segment[..., None, :]) & causal[None, None]
+    gap = None if flips is None else flips[..., :, None] - flips[..., None, :]
+    decay = _masked_exp(same, L[..., :, None] - L[..., None, :], gap)
     CB = jnp.einsum("gsn,gtn->gst", C, B)
     own = jnp.einsum("grst,grtp->grsp", decay * CB[:, None], xdt)
-    entry = _masked_exp((segment == 0)[None, None], L)
+    entry = _masked_exp(segment == 0, L, flips)
     read = jnp.einsum("gsn,grpn->grsp", C, h_in)
     return own + entry[..., None] * read
 
@@ -89,7 +111,9 @@ def _chunk_output(log_a, xdt, B, C, segment, h_in):
 
 
 @eqx.filter_jit
-def _run(scan, chunk, x, dt, A, B, C, D, z, h0, reset, dt_bias, softplus, limit):
+def _run(
+    scan, chunk, x, dt, A, B, C, D, z, h0, reset, dt_bias, softplus, limit, negative
+):
     T, H, P = x.shape
     _, G, N = B.shape
     R = H // G
@@ -106,18 +130,27 @@ def _run(scan, chunk, x, dt, A, B, C, D, z, h0, reset, dt_bias, softplus, limit)
         v = v.reshape(K, chunk, *v.shape[1:])
         return jnp.moveaxis(v, 1, 1 + len(shape))
 
-    log_a = chunks((dt * A[None]).reshape(T, G, R), G, R)
+    log_a, below, zero = _log_decays(dt, A, negative)
+    log_a = chunks(log_a.reshape(T, G, R), G, R)
     xdt = chunks((x * dt[..., None]).reshape(T, G, R, P), G, R)
     B, C = chunks(B, G), chunks(C, G)
     starts = jnp.zeros((T,), jnp.int32) if reset is None else reset.astype(jnp.int32)
-    segment = jnp.cumsum(chunks(starts), axis=1)
-    S, alpha = jax.vmap(_chunk_state)(log_a, xdt, B, segment)
+    flips = None
+    if negative:
+        # a zero decay starts a segment of its head; signs flip at negative ones
+        starts = jnp.maximum(starts[:, None], zero.astype(jnp.int32))
+        starts = chunks(starts.reshape(T, G, R), G, R)
+        flips = jnp.cumsum(chunks(below.astype(jnp.int32).reshape(T, G, R), G, R), -1)
+        segment = jnp.cumsum(starts, axis=-1)
+    else:  # one segment count for every head
+        segment = jnp.cumsum(chunks(starts), axis=1)[:, None, None]
+    S, alpha = jax.vmap(_chunk_state)(log_a, xdt, B, segment, flips)
     h0 = jnp.zeros((G, R, P, N), x.dtype) if h0 is None else h0.reshape(G, R, P, N)
     h0 = vary_like(h0, x)
     # between chunks: the diagonal recurrence, one decay per head
     h = linear_recurrence(alpha[..., None, None], S, h0, scan=scan)
     h_in = scan.shift(h, h0)
-    y = jax.vmap(_chunk_output)(log_a, xdt, B, C, segment, h_in)  # (K, G, R, Q, P)
+    y = jax.vmap(_chunk_output)(log_a, xdt, B, C, segment, flips, h_in)
     y = jnp.moveaxis(y, 3, 1).reshape(K * chunk, H, P)[:T]
     if D is not None:
         y = y + (D[None, :, None] if D.ndim == 1 else D[None]) * x
@@ -126,12 +159,15 @@ def _run(scan, chunk, x, dt, A, B, C, D, z, h0, reset, dt_bias, softplus, limit)
     return y, h[-1].reshape(H, P, N)
 
 
-def _step(state, x, dt, A, B, C, D, z, dt_bias, softplus, limit):
+def _step(state, x, dt, A, B, C, D, z, dt_bias, softplus, limit, negative):
     H, P = x.shape
     G = B.shape[0]
     dt = _step_sizes(dt, dt_bias, softplus, limit)
     B, C = jnp.repeat(B, H // G, axis=0), jnp.repeat(C, H // G, axis=0)  # (H, N)
-    decay = jnp.exp(dt * A)[:, None, None]
+    decay = jnp.exp(dt * A)
+    if negative:
+        decay = 1 + 2 * jnp.expm1(dt * A)
+    decay = decay[:, None, None]
     state = decay * state + (dt[:, None] * x)[:, :, None] * B[:, None, :]
     y = jnp.einsum("hpn,hn->hp", state, C)
     if D is not None:
@@ -236,6 +272,7 @@ def ssd_scan(
     dt_bias: Float[ArrayLike, " H"] | None = None,
     dt_softplus: bool = False,
     dt_limit: tuple[float, float] = (0.0, float("inf")),
+    negative_decays: bool = False,
     h0: Float[ArrayLike, "H P N"] | None = None,
     reset: Bool[ArrayLike, " T"] | None = None,
     return_final_state: bool = False,
@@ -279,6 +316,13 @@ def ssd_scan(
     - `dt_softplus`: apply `jax.nn.softplus` to `dt + dt_bias`.
     - `dt_limit`: `(low, high)`, the step sizes clamped to it after the softplus
         (the default clamps nothing).
+    - `negative_decays`: decays `2 exp(dt A) - 1` in `(-1, 1)` instead of
+        `exp(dt A)` in `(0, 1)`, which lets a layer track state such as parity
+        (Grazzi et al., "Unlocking State-Tracking in Linear RNNs Through Negative
+        Eigenvalues", 2025). A decay that is exactly zero (`dt A = -log 2`)
+        forgets the state as a reset does, in the derivatives too: the state it
+        forgets does not reach the derivatives with respect to that step's `dt`
+        and `A`.
     - `h0`: the state before the first step, shape `(H, P, N)`; zeros if `None`.
     - `reset`: optional bools, shape `(T,)`, `True` where a segment starts (packed
         sequences): there the state restarts from zero, so each segment gives the
@@ -347,6 +391,7 @@ def ssd_scan(
         arrays.get("dt_bias"),
         bool(dt_softplus),
         limit,
+        bool(negative_decays),
     )
     y = y.astype(dtype)
     if return_final_state:
@@ -367,6 +412,7 @@ def ssd_step(
     dt_bias: Float[ArrayLike, " H"] | None = None,
     dt_softplus: bool = False,
     dt_limit: tuple[float, float] = (0.0, float("inf")),
+    negative_decays: bool = False,
 ) -> tuple[Float[Array, "H P"], Float[Array, "H P N"]]:
     r"""One step of [`eqx_seq.ssd_scan`][] in its recurrent form, for generation:
     the arguments of one time step of `ssd_scan` (its arrays without the time
@@ -380,7 +426,7 @@ def ssd_step(
     - `state`: the state before the step, shape `(H, P, N)`.
     - `x`, `dt`, `B`, `C`, `z`: the step's rows, shapes `(H, P)`, `(H,)`,
         `(G, N)`, `(G, N)`, `(H, P)`.
-    - `A`, `D`, `dt_bias`, `dt_softplus`, `dt_limit`: as for
+    - `A`, `D`, `dt_bias`, `dt_softplus`, `dt_limit`, `negative_decays`: as for
         [`eqx_seq.ssd_scan`][].
 
     **Returns:**
@@ -426,5 +472,6 @@ def ssd_step(
         arrays.get("dt_bias"),
         bool(dt_softplus),
         limit,
+        bool(negative_decays),
     )
     return y.astype(dtype), state.astype(dtype)
