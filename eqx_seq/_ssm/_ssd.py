@@ -66,9 +66,8 @@ def _log_decays(dt: Array, A: Array, negative: bool):
 # (G, Q, N); `segment` (G, R, Q), or (1, 1, Q) for all heads: the resets counted
 # from the chunk's start (0 before its first reset); `flips` (G, R, Q) or `None`:
 # the negative decays counted likewise; `h_in` (G, R, P, N): the state entering
-# it. Both functions are
-# rematerialised: the backward pass recomputes a chunk's `Q x Q` weights rather
-# than keeping them.
+# it. Both functions are rematerialised: the backward pass recomputes a chunk's
+# `Q x Q` weights rather than keeping them.
 
 
 @jax.checkpoint
@@ -164,9 +163,7 @@ def _step(state, x, dt, A, B, C, D, z, dt_bias, softplus, limit, negative):
     G = B.shape[0]
     dt = _step_sizes(dt, dt_bias, softplus, limit)
     B, C = jnp.repeat(B, H // G, axis=0), jnp.repeat(C, H // G, axis=0)  # (H, N)
-    decay = jnp.exp(dt * A)
-    if negative:
-        decay = 1 + 2 * jnp.expm1(dt * A)
+    decay = 1 + 2 * jnp.expm1(dt * A) if negative else jnp.exp(dt * A)
     decay = decay[:, None, None]
     state = decay * state + (dt[:, None] * x)[:, :, None] * B[:, None, :]
     y = jnp.einsum("hpn,hn->hp", state, C)
