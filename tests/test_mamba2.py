@@ -140,6 +140,7 @@ def test_initialisation(getkey):
 
 def test_block_and_half_precision(getkey):
     layer = _layer(getkey())
+    assert eqx_seq.Mamba2Block(layer).norm.bias is None  # RMS: a scale, no bias
     block = eqx_seq.Mamba2Block(layer, norm="layer")
     x = jr.normal(getkey(), (8, 8), jnp.float64)
     norm = jax.vmap(block.norm)(x)

@@ -432,6 +432,11 @@ def test_rglru_bad_input(getkey):
 
 def test_hawk_bad_input(getkey):
     block = make_hawk(getkey())
+    # Griffin's norms: epsilon 1e-6 unless asked otherwise
+    assert block.norm.eps == block.mlp_norm.eps == 1e-6
+    assert eqx_seq.HawkBlock(W, norm_eps=1e-5, key=getkey()).norm.eps == 1e-5
+    with pytest.raises(ValueError, match="`norm_eps` must be a finite positive"):
+        eqx_seq.HawkBlock(W, norm_eps=0.0, key=getkey())
     x = jnp.ones((T, W))
     with pytest.raises(ValueError, match=r"\(T, 4\)"):
         block(jnp.ones((T, W + 1)))

@@ -380,6 +380,8 @@ def test_mamba_rejects_bad_input(getkey):
 def test_mamba_block(getkey):
     layer = eqx_seq.Mamba(5, state_size=3, key=getkey())
     block = eqx_seq.MambaBlock(layer, dropout=0.5)
+    # the reference models' RMS norm: a scale, no bias
+    assert block.norm.bias is None and block.norm.weight.shape == (5,)
     x = jr.normal(getkey(), (13, 5))
     inference = eqx.nn.inference_mode(block)
     y = inference(x)

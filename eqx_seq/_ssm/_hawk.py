@@ -11,6 +11,7 @@ from jaxtyping import Array, ArrayLike, Bool, Float, PRNGKeyArray, Real
 from .._misc import (
     check_parameter_dtype,
     check_positive_int,
+    check_real,
     check_reset,
     check_sequence,
     check_state,
@@ -76,6 +77,7 @@ class HawkBlock(AbstractRecurrentLayer):
         num_heads: int = 1,
         conv_size: int = 4,
         mlp_expansion: int = 3,
+        norm_eps: float = 1e-6,
         scan: AbstractScan = AutoScan(),
         dtype=None,
         key: PRNGKeyArray,
@@ -88,6 +90,7 @@ class HawkBlock(AbstractRecurrentLayer):
             `lru_width`.
         - `conv_size`: the number of taps of the causal convolution.
         - `mlp_expansion`: the MLP's hidden size is `mlp_expansion * width`.
+        - `norm_eps`: the epsilon of both RMS norms (Griffin's 1e-6).
         - `scan`: the RG-LRU's recurrence backend, an [`eqx_seq.AbstractScan`][];
             with [`eqx_seq.ShardedScan`][] the convolution also reads the
             `conv_size - 1` inputs before each device's block from the device
@@ -101,6 +104,7 @@ class HawkBlock(AbstractRecurrentLayer):
         check_positive_int("lru_width", lru_width)
         check_positive_int("conv_size", conv_size)
         check_positive_int("mlp_expansion", mlp_expansion)
+        norm_eps = check_real("norm_eps", norm_eps, positive=True)
         dtype = check_parameter_dtype("HawkBlock", dtype)
         check_scan(scan, name="eqx_seq.HawkBlock", splits_time=True)
         keys = jr.split(key, 8)
@@ -108,12 +112,12 @@ class HawkBlock(AbstractRecurrentLayer):
         self.rglru = RGLRU(
             lru_width, num_heads=num_heads, scan=scan, dtype=dtype, key=keys[0]
         )
-        self.norm = eqx.nn.RMSNorm(width, use_bias=False, dtype=dtype)
+        self.norm = eqx.nn.RMSNorm(width, eps=norm_eps, use_bias=False, dtype=dtype)
         self.gate_proj = eqx.nn.Linear(width, lru_width, dtype=dtype, key=keys[1])
         self.in_proj = eqx.nn.Linear(width, lru_width, dtype=dtype, key=keys[2])
         self.conv = CausalConv(lru_width, conv_size, dtype=dtype, key=keys[3])
         self.out_proj = eqx.nn.Linear(lru_width, width, dtype=dtype, key=keys[4])
-        self.mlp_norm = eqx.nn.RMSNorm(width, use_bias=False, dtype=dtype)
+        self.mlp_norm = eqx.nn.RMSNorm(width, eps=norm_eps, use_bias=False, dtype=dtype)
         self.mlp_gate = eqx.nn.Linear(width, hidden, dtype=dtype, key=keys[5])
         self.mlp_up = eqx.nn.Linear(width, hidden, dtype=dtype, key=keys[6])
         self.mlp_down = eqx.nn.Linear(hidden, width, dtype=dtype, key=keys[7])

@@ -34,9 +34,14 @@ class _AbstractMambaBlock(AbstractRecurrentLayer):
             raise ValueError(f'`norm` must be "layer" or "rms", got {norm!r}.')
         if not 0 <= dropout < 1:
             raise ValueError(f"`dropout` must be in [0, 1), got {dropout}.")
-        norm_cls = eqx.nn.LayerNorm if norm == "layer" else eqx.nn.RMSNorm
+        size, dtype = mamba.input_size, mamba.D.dtype
         self.mamba = mamba
-        self.norm = norm_cls(mamba.input_size, dtype=mamba.D.dtype)
+        # RMS: a scale and no bias, as the reference models' norms
+        self.norm = (
+            eqx.nn.LayerNorm(size, dtype=dtype)
+            if norm == "layer"
+            else eqx.nn.RMSNorm(size, use_bias=False, dtype=dtype)
+        )
         self.dropout = eqx.nn.Dropout(dropout)
 
     def __call__(
@@ -152,8 +157,9 @@ class MambaBlock(_AbstractMambaBlock):
     """A residual block around a [`eqx_seq.Mamba`][] layer, as in the Mamba
     paper's models: `x -> x + dropout(mamba(norm(x)))`.
 
-    The norm (`eqx.nn.RMSNorm` by default, or `eqx.nn.LayerNorm`) acts on each
-    time step, so the block has a step mode. Dropout uses one mask for all time
+    The norm (`eqx.nn.RMSNorm` with a scale and no bias by default, as the
+    reference models', or `eqx.nn.LayerNorm`) acts on each time step, so the
+    block has a step mode. Dropout uses one mask for all time
     steps and is switched off by `eqx.nn.inference_mode`.
 
     !!! Example
@@ -192,8 +198,9 @@ class Mamba2Block(_AbstractMambaBlock):
     """A residual block around a [`eqx_seq.Mamba2`][] layer, as in the Mamba-2
     paper's models: `x -> x + dropout(mamba(norm(x)))`.
 
-    The norm (`eqx.nn.RMSNorm` by default, or `eqx.nn.LayerNorm`) acts on each
-    time step, so the block has a step mode. Dropout uses one mask for all time
+    The norm (`eqx.nn.RMSNorm` with a scale and no bias by default, as the
+    reference models', or `eqx.nn.LayerNorm`) acts on each time step, so the
+    block has a step mode. Dropout uses one mask for all time
     steps and is switched off by `eqx.nn.inference_mode`.
 
     !!! Example
