@@ -8,7 +8,8 @@ import jax.lax as lax
 import jax.numpy as jnp
 import jax.random as jr
 import numpy as np
-from jaxtyping import Array, ArrayLike, Float, Inexact, Int, PRNGKeyArray
+from jax.typing import DTypeLike
+from jaxtyping import Array, ArrayLike, Float, Inexact, Integer, PRNGKeyArray
 
 from ._misc import check_positive_int, default_floating_dtype, error_if_any
 
@@ -83,8 +84,8 @@ class Embedding(eqx.Module):
         *,
         padding_idx: int | None = None,
         weight: Float[ArrayLike, "num_embeddings embedding_size"] | None = None,
-        dtype: jnp.dtype | str | None = None,
-        param_dtype: jnp.dtype | str | None = None,
+        dtype: DTypeLike | None = None,
+        param_dtype: DTypeLike | None = None,
         out_of_range: Literal["error", "clip", "fill"] = "error",
         freeze: bool = False,
         key: PRNGKeyArray | None = None,
@@ -174,8 +175,8 @@ class Embedding(eqx.Module):
         *,
         freeze: bool = False,
         padding_idx: int | None = None,
-        dtype: jnp.dtype | str | None = None,
-        param_dtype: jnp.dtype | str | None = None,
+        dtype: DTypeLike | None = None,
+        param_dtype: DTypeLike | None = None,
         out_of_range: Literal["error", "clip", "fill"] = "error",
     ) -> "Embedding":
         """An embedding with a given table, e.g. pretrained vectors.
@@ -224,7 +225,7 @@ class Embedding(eqx.Module):
 
     @jax.named_scope("eqx_seq.Embedding")
     def __call__(
-        self, ids: Int[ArrayLike, "*shape"], *, key: PRNGKeyArray | None = None
+        self, ids: Integer[ArrayLike, "*shape"], *, key: PRNGKeyArray | None = None
     ) -> Inexact[Array, "*shape embedding_size"]:
         """**Arguments:**
 

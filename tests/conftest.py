@@ -13,6 +13,7 @@ os.environ["XLA_FLAGS"] = (
 
 import jax  # noqa: E402
 import jax.random as jr  # noqa: E402
+import jaxtyping  # noqa: E402
 import pytest  # noqa: E402
 
 
@@ -56,3 +57,16 @@ _CACHE = "EQX_SEQ_TESTS_XLA_CACHE"
 def getkey():
     keys = iter(jr.split(jr.key(5678), 10_000))
     return lambda: next(keys)
+
+
+@pytest.fixture
+def unchecked_annotations():
+    """jaxtyping's runtime checks off for one test: the import hook
+    (`--jaxtyping-packages` in pyproject.toml) would reject a bad input with its own
+    `TypeCheckError` before the package's own validation runs, and the tests of bad
+    input check the messages that users who do not run the hook get. The wrappers
+    the hook adds read this flag at each call."""
+    before = jaxtyping.config.jaxtyping_disable
+    jaxtyping.config.update("jaxtyping_disable", True)
+    yield
+    jaxtyping.config.update("jaxtyping_disable", before)

@@ -211,6 +211,7 @@ def test_s5_rejects_non_positive_dt(bad, getkey):
         layer.final_state(u, dt=dt)
 
 
+@pytest.mark.usefixtures("unchecked_annotations")
 def test_s5_step_dt_shape_is_checked(getkey):
     layer = eqx_seq.S5(2, 4, key=getkey())
     with pytest.raises(ValueError, match="`dt` in `step` must be a scalar"):
@@ -303,6 +304,7 @@ def test_kalman_half_precision_is_refused_clearly(dtype):
         dict(learning_rate=jnp.array([1e-3, 1e-3])),
     ],
 )
+@pytest.mark.usefixtures("unchecked_annotations")
 def test_s5_optimizer_refuses_bad_rates(kwargs):
     with pytest.raises(ValueError, match="must be"):
         eqx_seq.s5_optimizer(**kwargs)
@@ -336,6 +338,7 @@ _APPLIES = {
 
 @pytest.mark.parametrize("mixer", ["s5", "lru", "rglru", "mamba", "mamba2"])
 @pytest.mark.parametrize("name, value", _BAD_BLOCK_ARGUMENTS)
+@pytest.mark.usefixtures("unchecked_annotations")
 def test_classifier_refuses_block_arguments_bad_or_not_the_mixers(name, value, mixer):
     kwargs = {"width": 8, "depth": 1, "mixer": mixer, name: value}
     # an argument the mixer has no use for is named with the mixers it is for;
@@ -409,6 +412,7 @@ def test_models_take_the_arguments_that_apply_and_the_defaults():
     )
 
 
+@pytest.mark.usefixtures("unchecked_annotations")
 def test_mamba_block_names_its_own_bad_input():
     block = eqx_seq.MambaBlock(eqx_seq.Mamba(8, state_size=2, key=jr.key(0)))
     for x in [jnp.ones((5, 9)), jnp.ones(5)]:
@@ -424,6 +428,7 @@ def test_mamba_block_names_its_own_bad_input():
 
 
 @pytest.mark.parametrize("block", ["hawk", "mamba"])
+@pytest.mark.usefixtures("unchecked_annotations")
 def test_block_step_refuses_a_state_of_another_structure(block):
     if block == "hawk":
         b = eqx_seq.HawkBlock(8, key=jr.key(0))
@@ -455,6 +460,7 @@ def tiny_lm(mixer="s5", dtype=jnp.float64, depth=2, seed=0):
     )
 
 
+@pytest.mark.usefixtures("unchecked_annotations")
 def test_language_model_step_refuses_what_is_not_one_token_id():
     lm = tiny_lm("mamba", depth=1)
     for token in [jnp.array([1]), jnp.array(1.0), jnp.array(True)]:
@@ -463,6 +469,7 @@ def test_language_model_step_refuses_what_is_not_one_token_id():
 
 
 @pytest.mark.parametrize("mixer", ["s5", "rglru", "mamba"])
+@pytest.mark.usefixtures("unchecked_annotations")
 def test_language_model_step_refuses_a_state_of_another_structure(mixer):
     lm = tiny_lm(mixer)
     state = lm.init_state()
@@ -489,14 +496,21 @@ def test_language_model_step_refuses_a_state_of_another_structure(mixer):
     for s in bad.values():
         with pytest.raises(ValueError, match=r"LanguageModel.step.*`state"):
             lm.step(s, token)
+
+
+@pytest.mark.parametrize("mixer", ["s5", "rglru", "mamba"])
+def test_language_model_step_takes_lists_for_tuples(mixer):
     # the structure of `init_state()`, with lists for tuples, is taken: traced only
+    lm = tiny_lm(mixer)
+    state = lm.init_state()
     as_lists = [list(s) if isinstance(s, tuple) else s for s in state]
-    out_state, logits = jax.eval_shape(lm.step, as_lists, token)
+    out_state, logits = jax.eval_shape(lm.step, as_lists, jnp.array(1))
     assert logits.shape == (10,)
     assert jax.tree.structure(out_state) == jax.tree.structure(state)
 
 
 @pytest.mark.parametrize("temperature", ["hot", 1j, np.complex64(1), None, [1.0]])
+@pytest.mark.usefixtures("unchecked_annotations")
 def test_generate_refuses_temperatures_that_are_not_real_numbers(temperature):
     lm = tiny_lm(depth=1)
     with pytest.raises(ValueError, match="`temperature` must be a real number"):

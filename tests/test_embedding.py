@@ -183,6 +183,7 @@ def test_freeze_with_optax():
         assert not np.array_equal(eqx.apply_updates(live, updates).weight, WEIGHT)
 
 
+@pytest.mark.usefixtures("unchecked_annotations")
 def test_bad_input(getkey):
     emb = eqx_seq.Embedding(V, D, key=getkey())
     with pytest.raises(ValueError, match="integer ids.*float32"):

@@ -108,6 +108,16 @@ def test_shared_scalar_decay_and_float32():
     np.testing.assert_allclose(jac.wrt_a, full, rtol=1e-5, atol=1e-5)
 
 
+def test_scalar_state():
+    # S = (): `b` of shape (T,), with a NumPy scalar decay and a Python float `h0`
+    b = np.arange(1.0, 6.0)
+    jac = eqx_seq.recurrence_jacobians(np.float32(0.5), b, 2.0)
+    h, s, p = (x.real for x in closed_form(0.5, b, 2.0))
+    for got, expected in [(jac.states, h), (jac.wrt_a, s), (jac.wrt_h0, p)]:
+        assert got.shape == (5,) and got.dtype == jnp.float64
+        np.testing.assert_allclose(got, expected, rtol=1e-12)
+
+
 def test_vmap_jit_and_differentiable():
     rng = np.random.default_rng(2)
     a = jnp.asarray(rng.uniform(0.1, 0.9, (5, 3)))
@@ -128,6 +138,7 @@ def test_vmap_jit_and_differentiable():
     np.testing.assert_allclose(second, expected, rtol=1e-10)
 
 
+@pytest.mark.usefixtures("unchecked_annotations")
 def test_bad_input():
     b = jnp.ones((6, 3))
     with pytest.raises(ValueError, match="time-invariant.*jacfwd"):

@@ -187,6 +187,7 @@ def test_jit_and_vmap_over_a_batch():
         np.testing.assert_allclose(ll, kf.log_likelihood(b), rtol=1e-12)
 
 
+@pytest.mark.usefixtures("unchecked_annotations")
 def test_bad_input(getkey):
     kf = eqx_seq.KalmanFilter(3, 2, key=getkey())
     with pytest.raises(ValueError, match="obs_size"):

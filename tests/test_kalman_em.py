@@ -549,6 +549,7 @@ def test_all_zero_observations_raise_when_traced():
 
 
 # --- bad input ---
+@pytest.mark.usefixtures("unchecked_annotations")
 def test_bad_input():
     start, ys, _ = _problem(8, T=10)
     kf = build(start, eqx_seq.SequentialScan())

@@ -290,6 +290,7 @@ def test_annotations():
     assert state.mean.shape == (3,) and state.log_likelihood.shape == ()
 
 
+@pytest.mark.usefixtures("unchecked_annotations")
 def test_bad_input():
     kf = eqx_seq.KalmanFilter(3, 2, key=jr.key(0))
     ys = jnp.ones((6, 2))

@@ -152,6 +152,7 @@ def test_stationary_rejects_an_unstable_or_time_varying_model():
         )  # fmt: skip
 
 
+@pytest.mark.usefixtures("unchecked_annotations")
 def test_prior_options_bad_input():
     with pytest.raises(ValueError, match="prior_at"):
         eqx_seq.KalmanFilter(2, 1, prior_at="x2", key=jr.key(0))

@@ -157,6 +157,7 @@ def test_block_and_half_precision(getkey):
     )
 
 
+@pytest.mark.usefixtures("unchecked_annotations")
 def test_bad_input(getkey):
     with pytest.raises(ValueError, match="`head_dim` must divide the 12 channels"):
         eqx_seq.Mamba2(6, head_dim=5, key=getkey())

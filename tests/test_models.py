@@ -190,6 +190,7 @@ def test_checkpoint_round_trip(kind, getkey, tmp_path):
     np.testing.assert_array_equal(loaded(arg), model(arg))
 
 
+@pytest.mark.usefixtures("unchecked_annotations")
 def test_bad_input(getkey):
     model = classifier(getkey())
     with pytest.raises(ValueError, match="in_features"):
@@ -294,9 +295,7 @@ class _Halves(_OwnBlock):
 def test_models_take_a_mixer_of_ones_own(getkey):
     """A function that makes an `AbstractRecurrentLayer` is a mixer: the language
     model's step mode equals its parallel call through the user's `step`, the
-    classifier runs, and the optimiser labels find the layer inside; a mixer that
-    makes something else, or the wrong width, and a block argument of the
-    library's blocks, are refused."""
+    classifier runs, and the optimiser labels find the layer inside."""
     make = lambda key: _OwnBlock(8, key)  # noqa: E731
     model = eqx_seq.LanguageModel(11, width=8, depth=2, mixer=make, key=getkey())
     ids = jr.randint(getkey(), (6,), 0, 11)
@@ -309,6 +308,13 @@ def test_models_take_a_mixer_of_ones_own(getkey):
         2, 3, width=8, depth=1, mixer=make, dtype=jnp.float64, key=getkey()
     )
     assert classifier(jnp.ones((5, 2))).shape == (3,)
+
+
+@pytest.mark.usefixtures("unchecked_annotations")
+def test_models_refuse_mixers_that_are_not_one(getkey):
+    """A mixer that makes something else, or the wrong width, and a block argument
+    of the library's blocks, are refused."""
+    make = lambda key: _OwnBlock(8, key)  # noqa: E731
     with pytest.raises(ValueError, match="must return an `eqx_seq.AbstractRecurrent"):
         eqx_seq.LanguageModel(
             11, width=8, mixer=lambda key: eqx.nn.Identity(), key=getkey()

@@ -5,6 +5,7 @@ import itertools as it
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import jaxtyping
 import numpy as np
 import pytest
 from helpers import directional_derivative, directional_fd
@@ -125,6 +126,13 @@ def test_broadcasting_and_promotion():
     np.testing.assert_allclose(
         eqx_seq.linear_recurrence(a, b.real.astype(np.float64)),
         numpy_recurrence(np.broadcast_to(a, (4, 3)), b.real),
+        rtol=1e-12,
+    )
+    # a scalar state, S = (): `b` of shape (T,), `h0` a Python float
+    b = np.arange(1.0, 6.0)
+    np.testing.assert_allclose(
+        eqx_seq.linear_recurrence(np.float32(0.5), b, 2.0),
+        numpy_recurrence(0.5, b, 2.0),
         rtol=1e-12,
     )
 
@@ -383,6 +391,7 @@ def test_property_any_shape(T, S, time_invariant, reverse, backend, seed):
 # Bad input
 
 
+@pytest.mark.usefixtures("unchecked_annotations")
 def test_bad_shapes():
     b = jnp.ones((5, 3))
     with pytest.raises(
@@ -401,6 +410,7 @@ def test_bad_shapes():
         eqx_seq.linear_recurrence(jnp.ones(3), jnp.ones((0, 3)))
 
 
+@pytest.mark.usefixtures("unchecked_annotations")
 def test_bad_dtypes_and_types():
     with pytest.raises(ValueError, match="floating or complex.*int32.*`b`"):
         eqx_seq.linear_recurrence(jnp.ones(3), jnp.ones((5, 3), jnp.int32))
@@ -410,6 +420,7 @@ def test_bad_dtypes_and_types():
         eqx_seq.linear_recurrence("0.5", jnp.ones((5, 3)))
 
 
+@pytest.mark.usefixtures("unchecked_annotations")
 def test_bad_scan():
     for scan in ["sequential", eqx_seq.SequentialScan, jax.lax.scan]:
         with pytest.raises(ValueError, match="must be an `eqx_seq.AbstractScan`"):
@@ -417,6 +428,21 @@ def test_bad_scan():
     for unroll in [0, -1, 1.5, True]:
         with pytest.raises(ValueError, match="positive int"):
             eqx_seq.SequentialScan(unroll=unroll)
+
+
+def test_annotations_are_checked_by_the_import_hook(monkeypatch):
+    """The suite runs under jaxtyping's import hook (`--jaxtyping-packages` in
+    pyproject.toml), which checks the package's annotations on every call, eagerly
+    and under `jax.jit` (on tracers): a recurrence that returned one step too few
+    contradicts `linear_recurrence`'s return annotation, `(T, *S)` as `b`'s."""
+    monkeypatch.setattr(
+        "eqx_seq._recurrence._compiled_recurrence",
+        lambda scan, reverse, a, b, h0: b[1:],
+    )
+    a, b = jnp.full(2, 0.5), jnp.ones((3, 2))
+    for run in (eqx_seq.linear_recurrence, jax.jit(eqx_seq.linear_recurrence)):
+        with pytest.raises(jaxtyping.TypeCheckError, match="return value"):
+            run(a, b)
 
 
 def test_errors_under_jit_and_vmap():

@@ -380,6 +380,7 @@ def test_vmap_jit_and_dtypes(kind, getkey):
 # ----------------------------------------------------------------- bad input
 
 
+@pytest.mark.usefixtures("unchecked_annotations")
 def test_rglru_bad_input(getkey):
     layer = make_rglru(getkey())
     x = jnp.ones((T, N))
@@ -430,6 +431,7 @@ def test_rglru_bad_input(getkey):
         eqx_seq.RGLRU(6, dtype=jnp.float16, key=getkey())
 
 
+@pytest.mark.usefixtures("unchecked_annotations")
 def test_hawk_bad_input(getkey):
     block = make_hawk(getkey())
     # Griffin's norms: epsilon 1e-6 unless asked otherwise

@@ -508,6 +508,7 @@ def test_ssm_param_labels_drive_multi_transform(getkey):
 # --------------------------------------------------------------------- bad input
 
 
+@pytest.mark.usefixtures("unchecked_annotations")
 def test_bad_input(getkey):
     layer = make("s5", getkey())
     with pytest.raises(ValueError, match="input_size"):

@@ -219,6 +219,7 @@ def test_selective_scan_under_vmap_and_jit(getkey):
         np.testing.assert_allclose(y[i], expected, rtol=1e-10, atol=1e-12)
 
 
+@pytest.mark.usefixtures("unchecked_annotations")
 def test_selective_scan_rejects_bad_input(getkey):
     p = problem(getkey())
     u, delta, A, B, C = p["u"], p["delta"], p["A"], p["B"], p["C"]
@@ -341,6 +342,7 @@ def test_mamba_half_precision_input(getkey):
     np.testing.assert_allclose(y, layer(x.astype(jnp.float32)), rtol=1e-6)
 
 
+@pytest.mark.usefixtures("unchecked_annotations")
 def test_mamba_rejects_bad_input(getkey):
     layer = eqx_seq.Mamba(4, state_size=3, key=getkey())
     with pytest.raises(ValueError, match="one unbatched sequence"):
@@ -400,6 +402,11 @@ def test_mamba_block(getkey):
     dropped = block(x, key=getkey()) - x
     kept = jnp.any(dropped != 0, axis=0)
     assert 0 < int(jnp.sum(kept)) < 5
+
+
+@pytest.mark.usefixtures("unchecked_annotations")
+def test_mamba_block_rejects_bad_input(getkey):
+    layer = eqx_seq.Mamba(5, state_size=3, key=getkey())
     with pytest.raises(ValueError, match="eqx_seq.Mamba"):
         eqx_seq.MambaBlock(eqx_seq.LRU(5, 4, key=getkey()))
     with pytest.raises(ValueError, match="norm"):
@@ -407,7 +414,7 @@ def test_mamba_block(getkey):
     with pytest.raises(ValueError, match="dropout"):
         eqx_seq.MambaBlock(layer, dropout=1.0)
     with pytest.raises(ValueError, match=r"\(T, H\)"):
-        block(x[0])
+        eqx_seq.MambaBlock(layer)(jnp.ones(5))
 
 
 def test_ssm_param_labels_mark_mamba_recurrence(getkey):
@@ -553,6 +560,13 @@ def test_mamba_reset_is_separate_calls(getkey):
         first = module.final_state(x[:9], reset=reset[:9])
         rest = module(x[9:], reset=reset[9:], h0=first)
         np.testing.assert_allclose(rest, y[9:], rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.usefixtures("unchecked_annotations")
+def test_mamba_reset_rejects_bad_input(getkey):
+    layer = eqx_seq.Mamba(4, state_size=3, chunk_size=4, key=getkey())
+    x = jnp.ones((17, 4))
+    reset = jnp.zeros(17, bool).at[jnp.array([5, 6, 12])].set(True)
     with pytest.raises(ValueError, match="reset"):
         layer(x, reset=reset[:-1])
     with pytest.raises(ValueError, match="reset"):

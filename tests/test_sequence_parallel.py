@@ -210,6 +210,7 @@ def test_language_model():
     _assert_close(g_split, g_one, rtol=1e-9)
 
 
+@pytest.mark.usefixtures("unchecked_annotations")
 def test_bad_input():
     b = jnp.ones((8, 2))
     with pytest.raises(ValueError, match="inside `jax.shard_map`"):

@@ -101,6 +101,7 @@ def test_exchange_parallel_inner():
     _assert_close(split(a, b, h0), eqx_seq.linear_recurrence(a, b, h0))
 
 
+@pytest.mark.usefixtures("unchecked_annotations")
 def test_bad_exchange():
     for exchange in ("allgather", "psum", None):
         with pytest.raises(ValueError, match="`exchange` must be"):

@@ -85,6 +85,7 @@ def test_halo(reverse):
     _assert_close(ONE.halo(x, width), jnp.zeros((width, C)))
 
 
+@pytest.mark.usefixtures("unchecked_annotations")
 def test_halo_bad_input():
     x = jnp.ones((4, 2))
     scan = eqx_seq.ShardedScan("seq")

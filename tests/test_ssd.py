@@ -305,6 +305,7 @@ def test_split_over_devices_equals_one_device():
         np.testing.assert_allclose(g, g1, rtol=1e-9, atol=1e-11, err_msg=k)
 
 
+@pytest.mark.usefixtures("unchecked_annotations")
 def test_bad_input():
     arrays, _ = draw(8, 4, 2, 2, 3)
     ok = dict(arrays)

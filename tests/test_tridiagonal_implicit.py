@@ -129,6 +129,7 @@ def test_vmap_jit_and_dtypes(getkey):
     np.testing.assert_allclose(y64, y[0], rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.usefixtures("unchecked_annotations")
 def test_bad_input(getkey):
     layer = eqx_seq.TridiagonalImplicit(4, key=getkey())
     for bad in [

@@ -126,7 +126,8 @@ class KalmanFilter(eqx.Module):
         prior_at: PriorAt = "x0",
         initialization: Initialization = "known",
         dtype: Any = None,
-        key: PRNGKeyArray,
+        # `None` where `_parameters` is given (`from_matrices`), which needs no key
+        key: PRNGKeyArray | None,
         _parameters: Parameters | None = None,
         _steady_state: bool = True,
         _square_root: bool = True,
@@ -182,10 +183,11 @@ class KalmanFilter(eqx.Module):
     @classmethod
     def from_matrices(
         cls,
-        F: Float[ArrayLike, "*T n n"],
-        H: Float[ArrayLike, "*T p n"],
-        Q: Float[ArrayLike, "*T n n"],
-        R: Float[ArrayLike, "*T p p"],
+        # each time-invariant or time-varying, those that vary with one length `T`
+        F: Float[ArrayLike, "n n"] | Float[ArrayLike, "T n n"],
+        H: Float[ArrayLike, "p n"] | Float[ArrayLike, "T p n"],
+        Q: Float[ArrayLike, "n n"] | Float[ArrayLike, "T n n"],
+        R: Float[ArrayLike, "p p"] | Float[ArrayLike, "T p p"],
         m0: Float[ArrayLike, " n"],
         P0: Float[ArrayLike, "n n"],
         *,

@@ -465,7 +465,8 @@ class KalmanSmootherResult(eqx.Module):
 
     means: Float[Array, "T n"]
     covs: Float[Array, "T n n"]
-    cross_covs: Float[Array, "T-1 n n"]
+    # `T` rows on each device with the time axis split (see above)
+    cross_covs: Float[Array, "T-1 n n"] | Float[Array, "T n n"]
     filtered: KalmanFilterResult
 
 

@@ -15,7 +15,7 @@ import equinox as eqx
 import jax
 import jax.lax as lax
 import jax.numpy as jnp
-from jaxtyping import Array
+from jaxtyping import Array, Bool
 
 from .._misc import full_precision, vary_like
 from .._scan import AbstractScan, check_scan, mesh_axis, ShardedScan
@@ -69,7 +69,12 @@ from ._smoother import combine, element, smooth_elements, smoother_elements
 # filter".
 
 
-def from_state(problem: Problem, first: Array, m: Array, L: Array) -> Problem:
+# Whether a block, or a chunk of one, starts the whole sequence: traced on a device
+# (`index == 0`), `False` for a block's later chunks.
+First = Bool[Array, ""] | bool
+
+
+def from_state(problem: Problem, first: First, m: Array, L: Array) -> Problem:
     """`problem` with step 1 predicted from the filtered state `N(m, L L^T)` before
     the block (from the prior on the first device), as a prior of the block's step 1
     itself (`prior_at="x1"`)."""
@@ -84,7 +89,7 @@ def from_state(problem: Problem, first: Array, m: Array, L: Array) -> Problem:
     return eqx.tree_at(lambda pr: pr.model, problem, model)
 
 
-def _columns(problem: Problem, first: Array):
+def _columns(problem: Problem, first: First):
     """The `n + 1` mean columns as inputs of `jax.vmap`, and the problem of one
     column: from `0` with the data (column 0), and from each unit vector with the
     data, the controls and the prior mean zeroed (the linear part). Only the means
@@ -120,7 +125,7 @@ def _information(Hw: Array, Pps: Array, yw: Array, mps: Array):
     return nu0, N
 
 
-def _exact_element(problem: Problem, first: Array, inner: AbstractScan):
+def _exact_element(problem: Problem, first: First, inner: AbstractScan):
     """The element with every step exact: the inner backend's filter under
     `jax.vmap` over the columns, the information summed after it."""
     columns, column = _columns(problem, first)
@@ -164,7 +169,7 @@ def _powers(Phi: Array, Om: Array, count: int) -> tuple[Array, Array]:
     return power, factor
 
 
-def _steady_element(problem: Problem, first: Array):
+def _steady_element(problem: Problem, first: First):
     """The element of a time-invariant model with complete data: `K` exact steps
     of the columns, then, once the covariance has settled, the steady-state filter
     (`_filter.steady_tail`) for the data column alone. There the linear part is
@@ -233,7 +238,7 @@ def _combine_blocks(earlier, later):
 
 
 def _whole_element(
-    problem: Problem, first: Array, inner: AbstractScan, steady_state: bool
+    problem: Problem, first: First, inner: AbstractScan, steady_state: bool
 ):
     """The element of `problem` whole: with a sequential backend and a problem that
     may settle, the steady-state element where the covariance settles (a
@@ -283,7 +288,7 @@ _CHUNK = 4096
 
 def block_element(
     problem: Problem,
-    first: Array,
+    first: First,
     inner: AbstractScan,
     steady_state: bool,
     chunk: int = _CHUNK,

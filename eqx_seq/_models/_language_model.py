@@ -1,6 +1,7 @@
 """A causal language model: Embedding, recurrent blocks, tied output, generation."""
 
 import math
+from collections.abc import Sequence
 
 import equinox as eqx
 import jax
@@ -148,7 +149,7 @@ class LanguageModel(eqx.Module):
         return state
 
     def step(
-        self, state: tuple[PyTree[Array], ...], token: Int[ArrayLike, ""]
+        self, state: Sequence[PyTree[Array]], token: Int[ArrayLike, ""]
     ) -> tuple[tuple[PyTree[Array], ...], Float[Array, " V"]]:
         """Feed one token (RNN mode): stepping through a sequence from
         `init_state()` gives the logits of the parallel call.
@@ -156,7 +157,8 @@ class LanguageModel(eqx.Module):
         **Arguments:**
 
         - `state`: the state of every block, with the structure and shapes of
-            `init_state()` (as the previous `step` returns it).
+            `init_state()` (as the previous `step` returns it); lists are taken for
+            its tuples.
         - `token`: one token id, an integer scalar.
 
         **Returns:**

@@ -19,13 +19,16 @@ import equinox as eqx
 import jax
 import jax.lax as lax
 import jax.numpy as jnp
-from jaxtyping import Array, Inexact, PyTree
+import numpy as np
+from jaxtyping import Array, ArrayLike, Inexact, Num, PyTree
 
 from .._misc import zeros_like_inputs
 
 
+# NumPy arrays too, here and in `forgotten_as_zero`: under an eager `jax.jvp` of
+# NumPy inputs, JAX hands `_decayed_jvp` its primals as the NumPy arrays they are.
 @jax.custom_jvp
-def decayed(a: Array, h: Array) -> Array:
+def decayed(a: ArrayLike, h: ArrayLike) -> Array:
     """`a * h`, with a zero decay forgetting the state: zero wherever `a` is zero,
     whatever `h` holds there (NaN and inf included).
 
@@ -45,7 +48,7 @@ def _decayed_jvp(primals, tangents):
     return decayed(a, h), da * forgotten_as_zero(a, h) + decayed(a, dh)
 
 
-def forgotten_as_zero(a: Array, h: Array) -> Array:
+def forgotten_as_zero(a: ArrayLike, h: Array | np.ndarray) -> Array:
     """`h` as the derivative of `a * h` with respect to `a` reads it: zero where a
     zero decay forgets a state that is not finite, so that the derivatives forget
     it too; everywhere else `h`, the exact derivative (at a zero decay too)."""
@@ -182,14 +185,15 @@ class AbstractScan(eqx.Module):
         """
 
     @abc.abstractmethod
-    def sum_over_blocks(self, x: Inexact[Array, "..."]) -> Inexact[Array, "..."]:
+    def sum_over_blocks(self, x: Num[Array, "*shape"]) -> Num[Array, "*shape"]:
         """A sum over this block's steps made the sum over the whole sequence, the
         same on every device: what pooling over time and sums of per-step terms
         read. On one device, `x` itself.
 
         **Arguments:**
 
-        - `x`: a sum over this block's steps, any shape.
+        - `x`: a sum over this block's steps, any shape, floating or integer (a
+            count of steps).
 
         **Returns:**
 
@@ -304,7 +308,7 @@ class AbstractLocalScan(AbstractScan):
     ) -> Inexact[Array, " T *S"]:
         return shift_local(x, fill, reverse=reverse)
 
-    def sum_over_blocks(self, x: Inexact[Array, "..."]) -> Inexact[Array, "..."]:
+    def sum_over_blocks(self, x: Num[Array, "*shape"]) -> Num[Array, "*shape"]:
         return x
 
     def halo(

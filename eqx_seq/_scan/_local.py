@@ -9,7 +9,7 @@ import equinox as eqx
 import jax
 import jax.lax as lax
 import jax.numpy as jnp
-from jaxtyping import Array, Inexact, PyTree
+from jaxtyping import Array, Inexact, Num, PyTree
 
 from .._misc import check_positive_int, vary_like, zeros_like_inputs
 from ._base import AbstractLocalScan, AbstractScan, compose, decayed
@@ -220,7 +220,7 @@ class AutoScan(AbstractScan):
     ) -> Inexact[Array, " T *S"]:
         return self.select().shift(x, fill, reverse=reverse)
 
-    def sum_over_blocks(self, x: Inexact[Array, "..."]) -> Inexact[Array, "..."]:
+    def sum_over_blocks(self, x: Num[Array, "*shape"]) -> Num[Array, "*shape"]:
         return self.select().sum_over_blocks(x)
 
     def halo(

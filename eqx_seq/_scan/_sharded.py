@@ -21,7 +21,7 @@ import equinox as eqx
 import jax
 import jax.lax as lax
 import jax.numpy as jnp
-from jaxtyping import Array, Inexact, PyTree
+from jaxtyping import Array, Inexact, Num, PyTree
 
 from .._misc import zeros_like_inputs
 from ._base import (
@@ -288,7 +288,7 @@ class ShardedScan(AbstractScan):
         boundary = jnp.where(index == first, fill, received)
         return shift_local(x, boundary, reverse=reverse)
 
-    def sum_over_blocks(self, x: Inexact[Array, "..."]) -> Inexact[Array, "..."]:
+    def sum_over_blocks(self, x: Num[Array, "*shape"]) -> Num[Array, "*shape"]:
         mesh_axis(self.axis_name)  # the clear error outside `jax.shard_map`
         return lax.psum(x, self.axis_name)
 

@@ -1,5 +1,6 @@
 """Hawk's residual block (Griffin's recurrent block and gated MLP around an RG-LRU)."""
 
+from collections.abc import Sequence
 from typing import ClassVar
 
 import equinox as eqx
@@ -201,7 +202,7 @@ class HawkBlock(AbstractRecurrentLayer):
         self,
         x: Real[ArrayLike, " T W"],
         *,
-        reset: Bool[ArrayLike, " T"] | None = None,
+        reset: Bool[ArrayLike, " T"] | Sequence[bool] | None = None,
         h0: tuple[Real[ArrayLike, "conv L"], Real[ArrayLike, " L"]] | None = None,
         key: PRNGKeyArray | None = None,
     ) -> Float[Array, " T W"]:
@@ -225,7 +226,7 @@ class HawkBlock(AbstractRecurrentLayer):
         self,
         x: Real[ArrayLike, " T W"],
         *,
-        reset: Bool[ArrayLike, " T"] | None = None,
+        reset: Bool[ArrayLike, " T"] | Sequence[bool] | None = None,
         h0: tuple[Real[ArrayLike, "conv L"], Real[ArrayLike, " L"]] | None = None,
     ) -> tuple[Float[Array, "conv L"], Float[Array, " L"]]:
         """The state `(conv_state, rglru_state)` after the last step of `x`: calling

@@ -1,6 +1,7 @@
 """The Mamba layer: projections, a causal convolution and the selective scan."""
 
 import math
+from collections.abc import Sequence
 from typing import ClassVar
 
 import equinox as eqx
@@ -245,7 +246,7 @@ class Mamba(AbstractRecurrentLayer):
         self,
         x: Real[ArrayLike, "T H"],
         *,
-        reset: Bool[ArrayLike, " T"] | None = None,
+        reset: Bool[ArrayLike, " T"] | Sequence[bool] | None = None,
         h0: MambaState | None = None,
         key: PRNGKeyArray | None = None,
     ) -> Float[Array, "T H"]:
@@ -276,7 +277,7 @@ class Mamba(AbstractRecurrentLayer):
         self,
         x: Real[ArrayLike, "T H"],
         *,
-        reset: Bool[ArrayLike, " T"] | None = None,
+        reset: Bool[ArrayLike, " T"] | Sequence[bool] | None = None,
         h0: MambaState | None = None,
     ) -> MambaState:
         """The state `(conv_state, ssm_state)` after the last step of `x`: calling

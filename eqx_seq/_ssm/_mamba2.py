@@ -2,6 +2,7 @@
 (SSD) and a gated RMS norm."""
 
 import math
+from collections.abc import Sequence
 from typing import ClassVar
 
 import equinox as eqx
@@ -318,7 +319,7 @@ class Mamba2(AbstractRecurrentLayer):
         self,
         x: Real[ArrayLike, "T H"],
         *,
-        reset: Bool[ArrayLike, " T"] | None = None,
+        reset: Bool[ArrayLike, " T"] | Sequence[bool] | None = None,
         h0: Mamba2State | None = None,
         key: PRNGKeyArray | None = None,
     ) -> Float[Array, "T H"]:
@@ -348,7 +349,7 @@ class Mamba2(AbstractRecurrentLayer):
         self,
         x: Real[ArrayLike, "T H"],
         *,
-        reset: Bool[ArrayLike, " T"] | None = None,
+        reset: Bool[ArrayLike, " T"] | Sequence[bool] | None = None,
         h0: Mamba2State | None = None,
     ) -> Mamba2State:
         """The state `(conv_state, ssm_state)` after the last step of `x`: calling

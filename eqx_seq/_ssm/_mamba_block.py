@@ -1,5 +1,6 @@
 """The residual blocks around the Mamba layers: norm, mixer, dropout, skip."""
 
+from collections.abc import Sequence
 from typing import ClassVar, Literal
 
 import equinox as eqx
@@ -48,7 +49,7 @@ class _AbstractMambaBlock(AbstractRecurrentLayer):
         self,
         x: Real[ArrayLike, "T H"],
         *,
-        reset: Bool[ArrayLike, " T"] | None = None,
+        reset: Bool[ArrayLike, " T"] | Sequence[bool] | None = None,
         h0: MambaState | Mamba2State | None = None,
         key: PRNGKeyArray | None = None,
     ) -> Float[Array, "T H"]:
@@ -112,7 +113,7 @@ class _AbstractMambaBlock(AbstractRecurrentLayer):
         self,
         x: Real[ArrayLike, "T H"],
         *,
-        reset: Bool[ArrayLike, " T"] | None = None,
+        reset: Bool[ArrayLike, " T"] | Sequence[bool] | None = None,
         h0: MambaState | Mamba2State | None = None,
     ) -> MambaState | Mamba2State:
         """The layer's state after the last step of `x` (streaming)."""

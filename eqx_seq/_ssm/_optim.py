@@ -3,7 +3,7 @@
 import equinox as eqx
 import jax
 import optax
-from jaxtyping import PyTree
+from jaxtyping import ArrayLike, PyTree, Real
 
 from .._misc import check_real
 from ._recurrent import AbstractRecurrentLayer
@@ -79,9 +79,9 @@ def ssm_param_labels(model: PyTree) -> PyTree[str | None]:
 
 
 def s5_optimizer(
-    learning_rate: float | optax.Schedule,
+    learning_rate: Real[ArrayLike, ""] | optax.Schedule,
     *,
-    ssm_learning_rate: float | optax.Schedule | None = None,
+    ssm_learning_rate: Real[ArrayLike, ""] | optax.Schedule | None = None,
     weight_decay: float = 0.05,
 ) -> optax.GradientTransformation:
     """The S5 training recipe as one `optax` transformation.
@@ -92,7 +92,8 @@ def s5_optimizer(
 
     **Arguments:**
 
-    - `learning_rate`: for the regular parameters (a float or an optax schedule).
+    - `learning_rate`: for the regular parameters (a float, a scalar array or an
+        optax schedule).
     - `ssm_learning_rate`: for the SSM parameters; defaults to `learning_rate`.
     - `weight_decay`: AdamW's decoupled weight decay for the regular parameters.
 

@@ -2,6 +2,7 @@
 diagonal recurrence run on `eqx_seq.linear_recurrence`."""
 
 import math
+from collections.abc import Sequence
 from typing import ClassVar
 
 import equinox as eqx
@@ -198,7 +199,7 @@ class RGLRU(AbstractRecurrentLayer):
         self,
         x: Real[ArrayLike, " T N"],
         *,
-        reset: Bool[ArrayLike, " T"] | None = None,
+        reset: Bool[ArrayLike, " T"] | Sequence[bool] | None = None,
         h0: Real[ArrayLike, " N"] | None = None,
         key: PRNGKeyArray | None = None,
     ) -> Float[Array, " T N"]:
@@ -229,7 +230,7 @@ class RGLRU(AbstractRecurrentLayer):
         self,
         x: Real[ArrayLike, " T N"],
         *,
-        reset: Bool[ArrayLike, " T"] | None = None,
+        reset: Bool[ArrayLike, " T"] | Sequence[bool] | None = None,
         h0: Real[ArrayLike, " N"] | None = None,
     ) -> Float[Array, " N"]:
         """The state after the last step of `x`, to continue from in the next chunk

@@ -1,6 +1,8 @@
 """`selective_scan`: Mamba's S6 recurrence as a function, with the reference's
 argument meanings, unbatched and time-first."""
 
+from collections.abc import Sequence
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -105,7 +107,7 @@ def selective_scan(
     delta_bias: Float[ArrayLike, " D"] | None = None,
     delta_softplus: bool = False,
     h0: Float[ArrayLike, "D N"] | None = None,
-    reset: Bool[ArrayLike, " T"] | None = None,
+    reset: Bool[ArrayLike, " T"] | Sequence[bool] | None = None,
     return_last_state: bool = False,
     scan: AbstractScan = AutoScan(),
     chunk_size: int = 64,

@@ -14,6 +14,7 @@ carry the axes `(G, R)` where the reference has `H`, so that a group's `B` and
 """
 
 import math
+from collections.abc import Sequence
 
 import equinox as eqx
 import jax
@@ -271,7 +272,7 @@ def ssd_scan(
     dt_limit: tuple[float, float] = (0.0, float("inf")),
     negative_decays: bool = False,
     h0: Float[ArrayLike, "H P N"] | None = None,
-    reset: Bool[ArrayLike, " T"] | None = None,
+    reset: Bool[ArrayLike, " T"] | Sequence[bool] | None = None,
     return_final_state: bool = False,
     chunk_size: int = 64,
     scan: AbstractScan = AutoScan(),

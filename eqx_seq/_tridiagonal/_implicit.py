@@ -4,6 +4,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import jax.random as jr
+from jax.typing import DTypeLike
 from jaxtyping import Array, ArrayLike, Float, PRNGKeyArray
 
 from .._misc import (
@@ -67,7 +68,7 @@ class TridiagonalImplicit(eqx.Module):
         input_dependent: bool = False,
         coupling_range: tuple[float, float] = (0.1, 100.0),
         scan: AbstractScan = AutoScan(),
-        dtype: jnp.dtype | str | None = None,
+        dtype: DTypeLike | None = None,
         key: PRNGKeyArray,
     ):
         r"""**Arguments:**
