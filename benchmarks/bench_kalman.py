@@ -84,15 +84,23 @@ from _timing import (  # noqa: E402
 )
 
 
-try:
-    from dynamax.linear_gaussian_ssm import LinearGaussianSSM
-    from dynamax.linear_gaussian_ssm.inference import (
-        lgssm_filter,
-        lgssm_smoother,
-        make_lgssm_params,
-    )
-except ImportError:  # optional anchor (the `benchmarks` extra)
-    lgssm_filter = LinearGaussianSSM = None
+# dynamax, the optional anchor (the `benchmarks` extra): imported by `main`, not
+# on import of this module, since importing it runs JAX, which fixes the devices
+# before another script (tests/test_benchmarks.py imports them all) sets them
+lgssm_filter = lgssm_smoother = make_lgssm_params = LinearGaussianSSM = None
+
+
+def _load_dynamax() -> None:
+    global lgssm_filter, lgssm_smoother, make_lgssm_params, LinearGaussianSSM
+    try:
+        from dynamax.linear_gaussian_ssm import LinearGaussianSSM
+        from dynamax.linear_gaussian_ssm.inference import (
+            lgssm_filter,
+            lgssm_smoother,
+            make_lgssm_params,
+        )
+    except ImportError:
+        pass
 
 
 def model(n, p, backend, **private):
@@ -568,6 +576,7 @@ def main():
     if args.extras:
         extras(args, info)
         return
+    _load_dynamax()
     if lgssm_filter is None:
         print("dynamax not installed: its rows are skipped (pip install dynamax)")
     if args.em:
