@@ -70,3 +70,14 @@ def unchecked_annotations():
     jaxtyping.config.update("jaxtyping_disable", True)
     yield
     jaxtyping.config.update("jaxtyping_disable", before)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled_programs():
+    """Drop JAX's compiled programs after each test module. Without it a worker
+    that keeps every program of the suite's modules crashes (a segfault inside
+    XLA's compiler, late in the run: it came back when this was removed). The way
+    out is one pytest process per test file, as lineax and diffrax run theirs;
+    until the test command does that, this keeps the run whole."""
+    yield
+    jax.clear_caches()
