@@ -28,6 +28,7 @@ EXPECTED = {
         "check: ours, associative = plain RG-LRU (lax.scan)",
     ],
     "sequence_parallel": ["linear_recurrence", "Mamba", "Kalman log-likelihood"],
+    "ssd": ["Mamba2 vs Mamba at equal state", "`ssd_scan` against the minimal SSD"],
 }
 
 
