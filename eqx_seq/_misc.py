@@ -55,6 +55,13 @@ def check_real(
     raise ValueError(f"`{name}` must be {kind} number, got {value!r}.")
 
 
+def check_bool(name: str, value: object) -> bool:
+    """`value` if it is a bool, else a `ValueError` naming `name`."""
+    if not isinstance(value, bool):
+        raise ValueError(f"`{name}` must be a bool, got {value!r}.")
+    return value
+
+
 def check_parameter_dtype(layer: str, dtype) -> jnp.dtype:
     """`dtype` (JAX's default float if `None`) if it is float32 or float64, else a
     `ValueError` that says what to do: these layers factorise matrices (LAPACK has

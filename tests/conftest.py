@@ -32,11 +32,11 @@ jax.config.update("jax_num_cpu_devices", 4)
 
 
 def pytest_configure(config):
-    """One XLA compilation cache for the run, on disk, shared by the xdist workers:
-    a program that tests in both workers, or in modules either side of a
-    `jax.clear_caches()`, compile is compiled once. Made fresh by the process that
-    starts the run (the workers inherit its environment), so a run never reads
-    what an earlier one wrote, and removed at its end."""
+    """One XLA compilation cache for the run, on disk, shared by its processes
+    (`python -m tests` runs one per test file): a program that several files
+    compile is compiled once. Made fresh by the process that starts the run (the
+    others inherit its environment), so a run never reads what an earlier one
+    wrote, and removed at its end."""
     if _CACHE not in os.environ:
         os.environ[_CACHE] = tempfile.mkdtemp(prefix="eqx_seq-tests-xla-")
         config._owns_jax_cache = True
@@ -70,14 +70,3 @@ def unchecked_annotations():
     jaxtyping.config.update("jaxtyping_disable", True)
     yield
     jaxtyping.config.update("jaxtyping_disable", before)
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _release_compiled_programs():
-    """Drop JAX's compiled programs after each test module. Without it a worker
-    that keeps every program of the suite's modules crashes (a segfault inside
-    XLA's compiler, late in the run: it came back when this was removed). The way
-    out is one pytest process per test file, as lineax and diffrax run theirs;
-    until the test command does that, this keeps the run whole."""
-    yield
-    jax.clear_caches()

@@ -154,6 +154,43 @@ def test_selective_copying_mamba_reaches_the_goal(tmp_path):
     assert float(row.split("|")[4]) >= 0.99
 
 
+def test_parity_example(tmp_path):
+    out = run_script(
+        "examples/parity.py",
+        "--mixers",
+        "mamba,mamba2",
+        "--length",
+        "8",
+        "--eval-lengths",
+        "12",
+        "--steps",
+        "2",
+        "--out",
+        str(tmp_path),
+    )
+    for name in ("mamba, decays [0, 1]", "mamba2, decays (-1, 1)"):
+        assert f"| {name} |" in out
+    assert "| paper: Mamba, decays [-1, 1] | perfect (1.0)" in out
+    assert (tmp_path / "parity.png").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(3600)
+def test_parity_negative_decays_reach_the_goal(tmp_path):
+    """At 256 bits, trained on 40: Mamba with decays in (-1, 1) near perfect, with
+    decays in [0, 1] near chance."""
+    out = run_script(
+        "examples/parity.py", "--mixers", "mamba", "--out", str(tmp_path), timeout=3600
+    )
+    rows = {
+        line.split("|")[1].strip(): float(line.split("|")[-3])
+        for line in out.splitlines()
+        if line.startswith("| mamba, decays")
+    }
+    assert rows["mamba, decays (-1, 1)"] >= 0.95
+    assert rows["mamba, decays [0, 1]"] <= 0.75
+
+
 @pytest.mark.parametrize(
     "script", sorted(glob.glob(os.path.join(ROOT, "examples", "*.py")))
 )

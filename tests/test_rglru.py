@@ -46,6 +46,8 @@ def rglru_reference(layer, x, reset=None, h0=None):
     for t in range(len(x)):
         r, i = sigmoid(x[t] @ Wa + ba), sigmoid(x[t] @ Wx + bx)
         a = np.exp(-layer.c * r * softplus)
+        if layer.negative_decays:
+            a = 2 * a - 1
         if reset is not None and reset[t]:
             h = i * x[t]
         else:
@@ -225,6 +227,28 @@ def test_rglru_gradients_match_finite_differences(with_reset, getkey):
     check_gradients(lambda t: loss(t[0], t[1], reset, t[2]), (layer, x, h0), getkey())
 
 
+def test_negative_decays(getkey):
+    """Decays `2a - 1`: values against the loop, step mode, both backends, and the
+    gradients against finite differences; the decays do reach below zero."""
+    kw = dict(negative_decays=True, a_min=1e-4, a_max=0.5)
+    layer = random_gates(make_rglru(getkey(), **kw), getkey())
+    x = jr.normal(getkey(), (T, N), jnp.float64)
+    h0 = jr.normal(getkey(), (N,), jnp.float64)
+    reset = jnp.asarray(RESET)
+    a, _ = layer._coefficients(x)
+    assert (a < 0).any() and (a > 0).any()
+    expected = rglru_reference(layer, x, RESET, h0)
+    assoc = eqx.tree_at(lambda m: m.scan, layer, eqx_seq.AssociativeScan())
+    for model in (layer, assoc):
+        np.testing.assert_allclose(
+            model(x, reset=reset, h0=h0), expected, rtol=1e-12, atol=1e-12
+        )
+    np.testing.assert_allclose(
+        run_steps(layer, x, RESET, h0)[1], expected, rtol=1e-12, atol=1e-12
+    )
+    check_gradients(lambda t: loss(t[0], t[1], reset, t[2]), (layer, x, h0), getkey())
+
+
 def test_hawk_gradients_match_finite_differences(getkey):
     block = make_hawk(getkey())
     x = jr.normal(getkey(), (T, W), jnp.float64)
@@ -398,6 +422,8 @@ def test_rglru_bad_input(getkey):
         layer(x, reset=jnp.zeros(T))  # not bool
     with pytest.raises(ValueError, match="h0"):
         layer(x, h0=jnp.zeros(N + 1))
+    with pytest.raises(ValueError, match="negative_decays"):
+        make_rglru(getkey(), negative_decays=1)
     with pytest.raises(ValueError, match="h0"):
         layer.final_state(x, h0=jnp.zeros(N, jnp.complex128))
     with pytest.raises(ValueError, match="step"):

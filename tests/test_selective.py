@@ -29,9 +29,11 @@ def silu(x):
 
 
 def reference(
-    u, delta, A, B, C, D=None, z=None, delta_bias=None, softplus_=False, h0=None
-):
-    """The S6 recurrence step by step in float64 NumPy: `(y, h_last)`."""
+    u, delta, A, B, C, D=None, z=None, delta_bias=None, softplus_=False, h0=None,
+    negative=False,
+):  # fmt: skip
+    """The S6 recurrence step by step in float64 NumPy: `(y, h_last)`; decays
+    `2 exp(delta A) - 1` with `negative`."""
     u, delta, A, B, C = (np.asarray(x, np.float64) for x in (u, delta, A, B, C))
     T, channels = u.shape
     h = np.zeros(A.shape) if h0 is None else np.array(h0, np.float64)
@@ -39,7 +41,9 @@ def reference(
     for t in range(T):
         d = delta[t] + (0 if delta_bias is None else np.asarray(delta_bias))
         d = softplus(d) if softplus_ else d
-        h = np.exp(d[:, None] * A) * h + (d * u[t])[:, None] * B[t][None, :]
+        a = np.exp(d[:, None] * A)
+        a = 2 * a - 1 if negative else a
+        h = a * h + (d * u[t])[:, None] * B[t][None, :]
         y = h @ C[t]
         if D is not None:
             y = y + np.asarray(D) * u[t]
@@ -142,6 +146,43 @@ def test_selective_scan_gradients_match_finite_differences(scan, chunk_size, get
 
     grads = jax.grad(loss)(p)
     # every argument on its own, so that a wrong cotangent cannot hide in a sum
+    for name in p:
+        direction = {k: jnp.zeros_like(v) for k, v in p.items()}
+        direction[name] = jr.normal(getkey(), p[name].shape)
+        expected = directional_fd(loss, p, direction)
+        got = directional_derivative(grads, direction)
+        np.testing.assert_allclose(got, expected, rtol=1e-6, err_msg=name)
+
+
+@pytest.mark.parametrize("scan", ["sequential", "associative"])
+def test_selective_scan_negative_decays(scan, getkey):
+    """Decays `2 exp(delta A) - 1`, on both kernels (the fused loop, the chunks
+    through `recurrence`): values against the loop, every argument's gradient
+    against finite differences; the decays do reach below zero."""
+    p = problem(getkey(), T=17)
+
+    def run(p):
+        return eqx_seq.selective_scan(
+            p["u"], p["delta"], p["A"], p["B"], p["C"], p["D"], z=p["z"],
+            delta_bias=p["delta_bias"], delta_softplus=True, h0=p["h0"],
+            return_last_state=True, negative_decays=True, chunk_size=4,
+            scan=SCANS[scan],
+        )  # fmt: skip
+
+    def loss(p):
+        y, h = run(p)
+        return jnp.sum(jnp.sin(y)) + jnp.sum(h**2)
+
+    (y, h), grads = jax.jit(lambda p: (run(p), jax.grad(loss)(p)))(p)
+    delta = softplus(p["delta"] + p["delta_bias"][None])
+    decays = 2 * np.exp(delta[:, :, None] * np.asarray(p["A"])[None]) - 1
+    assert (decays < 0).any() and (decays > 0).any()
+    y_ref, h_ref = reference(
+        p["u"], p["delta"], p["A"], p["B"], p["C"], p["D"], p["z"], p["delta_bias"],
+        True, p["h0"], negative=True,
+    )  # fmt: skip
+    np.testing.assert_allclose(y, y_ref, rtol=1e-10, atol=1e-12)
+    np.testing.assert_allclose(h, h_ref, rtol=1e-10, atol=1e-12)
     for name in p:
         direction = {k: jnp.zeros_like(v) for k, v in p.items()}
         direction[name] = jr.normal(getkey(), p[name].shape)
@@ -272,7 +313,7 @@ def mamba_reference(layer: eqx_seq.Mamba, x):
     delta = dbc[:, :R] @ w["dt"].T
     y, _ = reference(
         u, delta, -np.exp(w["A_log"]), dbc[:, R : R + N], dbc[:, R + N :], w["D"], z,
-        w["dt_b"], True,
+        w["dt_b"], True, negative=layer.negative_decays,
     )  # fmt: skip
     return y @ w["out"].T
 
@@ -283,6 +324,33 @@ def test_mamba_matches_numpy(getkey):
     np.testing.assert_allclose(
         layer(x), mamba_reference(layer, x), rtol=1e-9, atol=1e-12
     )
+
+
+def test_mamba_negative_decays(getkey):
+    """`negative_decays=True`: the numbers of the equations, step mode, gradients."""
+    layer = eqx_seq.Mamba(
+        4, state_size=3, dt_rank=2, chunk_size=4, negative_decays=True, key=getkey()
+    )
+    layer = eqx.tree_at(lambda m: m.dt_bias, layer, layer.dt_bias + 2.0)  # dt ~ 2
+    x = jr.normal(getkey(), (11, 4))
+    params, static = eqx.partition(layer, eqx.is_inexact_array)
+
+    def loss(params, x):
+        return jnp.sum(jnp.tanh(eqx.combine(params, static)(x)))
+
+    @jax.jit
+    def everything(params, x):
+        model = eqx.combine(params, static)
+        _, stepped = jax.lax.scan(lambda s, t: model.step(s, t), model.init_state(), x)
+        return model(x), stepped, jax.grad(loss, argnums=(0, 1))(params, x)
+
+    y, stepped, grads = everything(params, x)
+    expected = mamba_reference(layer, x)
+    np.testing.assert_allclose(y, expected, rtol=1e-9, atol=1e-12)
+    np.testing.assert_allclose(stepped, expected, rtol=1e-9, atol=1e-12)
+    direction = jax.tree.map(lambda a: jr.normal(getkey(), a.shape), (params, x))
+    fd = directional_fd(lambda p: loss(*p), (params, x), direction)
+    np.testing.assert_allclose(directional_derivative(grads, direction), fd, rtol=1e-6)
 
 
 def test_mamba_initialisation(getkey):

@@ -256,8 +256,19 @@ LAYERS = {
     "mamba": lambda scan, key: eqx_seq.Mamba(
         4, state_size=3, conv_size=4, chunk_size=5, scan=scan, key=key
     ),
+    # decays in (-1, 1), negative ones among them (steps dt up to 1.5, A to -3):
+    # the blocks' maps multiply signed decays
     "mamba-block": lambda scan, key: eqx_seq.MambaBlock(
-        eqx_seq.Mamba(4, state_size=3, scan=scan, key=key), norm="layer"
+        eqx_seq.Mamba(
+            4,
+            state_size=3,
+            dt_min=0.3,
+            dt_max=1.5,
+            negative_decays=True,
+            scan=scan,
+            key=key,
+        ),
+        norm="layer",
     ),
     "hawk": lambda scan, key: eqx_seq.HawkBlock(
         4, num_heads=2, conv_size=3, scan=scan, key=key

@@ -1,19 +1,30 @@
 """A causal language model: Embedding, recurrent blocks, tied output, generation."""
 
 import math
+import os
 from collections.abc import Sequence
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 import jax.random as jr
-from jaxtyping import Array, ArrayLike, Float, Int, PRNGKeyArray, PyTree, Real
+from jaxtyping import (
+    Array,
+    ArrayLike,
+    DTypeLike,
+    Float,
+    Int,
+    PRNGKeyArray,
+    PyTree,
+    Real,
+)
 
 from .._embedding import Embedding
 from .._misc import check_positive_int, error_if_any
 from .._scan import AbstractScan, AutoScan
 from .._ssm._recurrent import AbstractRecurrentLayer
 from ._blocks import make_blocks, Mixer, run_blocks
+from ._pretrained import load_pretrained
 
 
 class LanguageModel(eqx.Module):
@@ -42,7 +53,7 @@ class LanguageModel(eqx.Module):
 
     embedding: Embedding
     blocks: tuple[AbstractRecurrentLayer, ...]
-    norm: eqx.nn.LayerNorm
+    norm: eqx.nn.LayerNorm | eqx.nn.RMSNorm
 
     def __init__(
         self,
@@ -96,6 +107,68 @@ class LanguageModel(eqx.Module):
             key=bkey,
         )
         self.norm = eqx.nn.LayerNorm(width, dtype=dtype)
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        directory: str | os.PathLike,
+        *,
+        dtype: DTypeLike | None = None,
+        scan: AbstractScan = AutoScan(),
+        chunk_size: int | None = None,
+    ) -> "LanguageModel":
+        """A Mamba or Mamba-2 language model from a checkpoint of Hugging Face
+        transformers (`MambaForCausalLM`, `Mamba2ForCausalLM`) in a local
+        directory: its `config.json` and its weights in `model.safetensors` (or
+        the files that `model.safetensors.index.json` lists). Nothing is
+        downloaded.
+
+        The model has the checkpoint's blocks, [`eqx_seq.MambaBlock`][]s or
+        [`eqx_seq.Mamba2Block`][]s with RMS norms of its epsilon, an RMS final
+        norm and the output tied to the embedding, and gives the logits of the
+        checkpoint's own model.
+
+        **Arguments:**
+
+        - `directory`: the checkpoint's directory.
+        - `dtype`: the parameter dtype, float32 or float64 (default: JAX's
+            default float); half-precision weights are widened.
+        - `scan`: the recurrence backend of every layer.
+        - `chunk_size`: the steps per chunk of [`eqx_seq.ssd_scan`][] in a
+            Mamba-2 model (default: the checkpoint's `chunk_size`); the logits do
+            not depend on it.
+
+        **Returns:**
+
+        The `LanguageModel`.
+
+        **Raises:**
+
+        `ValueError` for a directory without `config.json` or safetensors
+        weights, for another architecture (`model_type` other than `"mamba"` or
+        `"mamba2"`), for a layout the layers do not have (biases on the
+        projections, an output layer not tied to the embedding), and for
+        tensors missing, left over or of the wrong shape.
+        """
+        table, blocks, norm = load_pretrained(
+            directory, dtype=dtype, scan=scan, chunk_size=chunk_size
+        )
+        vocab, width = table.shape
+        # the model's structure without its parameters, which the checkpoint gives
+        model = eqx.filter_eval_shape(
+            cls,
+            vocab,
+            width=width,
+            depth=1,
+            mixer="rglru",
+            dtype=table.dtype,
+            key=jr.key(0),
+        )
+        return eqx.tree_at(
+            lambda m: (m.embedding.weight, m.blocks, m.norm),
+            model,
+            (table, blocks, norm),
+        )
 
     @jax.named_scope("eqx_seq.LanguageModel")
     def __call__(

@@ -12,6 +12,7 @@ from jaxtyping import Array, ArrayLike, Bool, Float, PRNGKeyArray, Real
 from typing_extensions import TypeAliasType
 
 from .._misc import (
+    check_bool,
     check_parameter_dtype,
     check_positive_int,
     check_real,
@@ -82,6 +83,7 @@ class Mamba(AbstractRecurrentLayer):
     state_size: int = eqx.field(static=True)
     dt_rank: int = eqx.field(static=True)
     chunk_size: int = eqx.field(static=True)
+    negative_decays: bool = eqx.field(static=True)
     scan: AbstractScan
 
     def __init__(
@@ -94,6 +96,7 @@ class Mamba(AbstractRecurrentLayer):
         dt_rank: int | None = None,
         dt_min: float = 1e-3,
         dt_max: float = 0.1,
+        negative_decays: bool = False,
         chunk_size: int = 64,
         scan: AbstractScan = AutoScan(),
         dtype=None,
@@ -108,6 +111,8 @@ class Mamba(AbstractRecurrentLayer):
         - `dt_rank`: the rank of the projection to `Δ`; `ceil(H / 16)` if `None`.
         - `dt_min`, `dt_max`: `Δ` starts log-uniform in `[dt_min, dt_max]`
             (through `b_Δ`; `0 < dt_min < dt_max`).
+        - `negative_decays`: decays `2 exp(Δ A) - 1` in `(-1, 1)` instead of
+            `exp(Δ A)`, for state tracking (see [`eqx_seq.selective_scan`][]).
         - `chunk_size`: [`eqx_seq.selective_scan`][]'s steps between stored
             states.
         - `scan`: the recurrence backend, an [`eqx_seq.AbstractScan`][]; with
@@ -158,6 +163,7 @@ class Mamba(AbstractRecurrentLayer):
         self.state_size = state_size
         self.dt_rank = dt_rank
         self.chunk_size = chunk_size
+        self.negative_decays = check_bool("negative_decays", negative_decays)
         self.scan = scan
 
     @property
@@ -234,6 +240,7 @@ class Mamba(AbstractRecurrentLayer):
             h0=None if ssm_state is None else ssm_state.astype(dtype),
             reset=reset,
             return_last_state=True,
+            negative_decays=self.negative_decays,
             scan=self.scan,
             chunk_size=self.chunk_size,
         )
@@ -327,6 +334,8 @@ class Mamba(AbstractRecurrentLayer):
         delta = jax.nn.softplus(delta + self.dt_bias.astype(dtype))
         A = -jnp.exp(self.A_log.astype(dtype))
         keep = (~reset).astype(dtype)
-        h, y = selective_step(h.astype(dtype), A, delta, u, B, C, keep)
+        h, y = selective_step(
+            h.astype(dtype), A, delta, u, B, C, keep, self.negative_decays
+        )
         y = (y + self.D.astype(dtype) * u) * jax.nn.silu(z)
         return (conv_state, h), y @ self.out_proj.astype(dtype).T

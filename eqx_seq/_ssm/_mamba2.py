@@ -13,6 +13,7 @@ from jaxtyping import Array, ArrayLike, Bool, Float, PRNGKeyArray, Real
 from typing_extensions import TypeAliasType
 
 from .._misc import (
+    check_bool,
     check_parameter_dtype,
     check_positive_int,
     check_real,
@@ -191,11 +192,7 @@ class Mamba2(AbstractRecurrentLayer):
         self.chunk_size = chunk_size
         self.dt_limit = dt_limit
         self.norm_eps = norm_eps
-        if not isinstance(negative_decays, bool):
-            raise ValueError(
-                f"`negative_decays` must be a bool, got {negative_decays!r}."
-            )
-        self.negative_decays = negative_decays
+        self.negative_decays = check_bool("negative_decays", negative_decays)
         self.scan = scan
 
     @property

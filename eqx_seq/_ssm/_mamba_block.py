@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike, Bool, Float, PRNGKeyArray, Real
 
-from .._misc import check_sequence
+from .._misc import check_real, check_sequence
 from ._mamba import Mamba, MambaState
 from ._mamba2 import Mamba2, Mamba2State
 from ._recurrent import AbstractRecurrentLayer
@@ -26,7 +26,9 @@ class _AbstractMambaBlock(AbstractRecurrentLayer):
     def _name(self) -> str:
         return type(self).__name__
 
-    def _setup(self, mamba, kind: type, norm: str, dropout: float) -> None:
+    def _setup(
+        self, mamba, kind: type, norm: str, norm_eps: float, dropout: float
+    ) -> None:
         if not isinstance(mamba, kind):
             raise ValueError(
                 f"`mamba` must be an `eqx_seq.{kind.__name__}`, got {type(mamba)}."
@@ -35,13 +37,14 @@ class _AbstractMambaBlock(AbstractRecurrentLayer):
             raise ValueError(f'`norm` must be "layer" or "rms", got {norm!r}.')
         if not 0 <= dropout < 1:
             raise ValueError(f"`dropout` must be in [0, 1), got {dropout}.")
+        norm_eps = check_real("norm_eps", norm_eps, positive=True)
         size, dtype = mamba.input_size, mamba.D.dtype
         self.mamba = mamba
         # RMS: a scale and no bias, as the reference models' norms
         self.norm = (
-            eqx.nn.LayerNorm(size, dtype=dtype)
+            eqx.nn.LayerNorm(size, eps=norm_eps, dtype=dtype)
             if norm == "layer"
-            else eqx.nn.RMSNorm(size, use_bias=False, dtype=dtype)
+            else eqx.nn.RMSNorm(size, eps=norm_eps, use_bias=False, dtype=dtype)
         )
         self.dropout = eqx.nn.Dropout(dropout)
 
@@ -183,6 +186,7 @@ class MambaBlock(_AbstractMambaBlock):
         mamba: Mamba,
         *,
         norm: Literal["layer", "rms"] = "rms",
+        norm_eps: float = 1e-5,
         dropout: float = 0.0,
     ):
         """**Arguments:**
@@ -190,9 +194,10 @@ class MambaBlock(_AbstractMambaBlock):
         - `mamba`: the sequence mixer, an [`eqx_seq.Mamba`][]; the block's feature
             size is its `input_size`.
         - `norm`: `"rms"` (`eqx.nn.RMSNorm`) or `"layer"` (`eqx.nn.LayerNorm`).
+        - `norm_eps`: the norm's epsilon (the reference models' 1e-5).
         - `dropout`: the dropout probability on the mixer's output.
         """
-        self._setup(mamba, Mamba, norm, dropout)
+        self._setup(mamba, Mamba, norm, norm_eps, dropout)
 
 
 class Mamba2Block(_AbstractMambaBlock):
@@ -225,6 +230,7 @@ class Mamba2Block(_AbstractMambaBlock):
         mamba: Mamba2,
         *,
         norm: Literal["layer", "rms"] = "rms",
+        norm_eps: float = 1e-5,
         dropout: float = 0.0,
     ):
         """**Arguments:**
@@ -232,6 +238,7 @@ class Mamba2Block(_AbstractMambaBlock):
         - `mamba`: the sequence mixer, an [`eqx_seq.Mamba2`][]; the block's
             feature size is its `input_size`.
         - `norm`: `"rms"` (`eqx.nn.RMSNorm`) or `"layer"` (`eqx.nn.LayerNorm`).
+        - `norm_eps`: the norm's epsilon (the reference models' 1e-5).
         - `dropout`: the dropout probability on the mixer's output.
         """
-        self._setup(mamba, Mamba2, norm, dropout)
+        self._setup(mamba, Mamba2, norm, norm_eps, dropout)

@@ -12,6 +12,7 @@ import jax.random as jr
 from jaxtyping import Array, ArrayLike, Bool, Float, PRNGKeyArray, Real
 
 from .._misc import (
+    check_bool,
     check_parameter_dtype,
     check_positive_int,
     check_real,
@@ -57,8 +58,14 @@ class RGLRU(AbstractRecurrentLayer):
 
     - gates `r_t = σ(W_a x_t + b_a)`, `i_t = σ(W_x x_t + b_x)` (block-diagonal
         `W`, `num_heads` blocks);
-    - decay `a_t = exp(-c · r_t · softplus(a_param))`, in `(0, 1]`;
+    - decay `a_t = exp(-c · r_t · softplus(a_param))`, in `(0, 1]`, or with
+        `negative_decays=True` `2 exp(-c · r_t · softplus(a_param)) - 1`, in
+        `(-1, 1]`;
     - `h_t = a_t ⊙ h_{t-1} + sqrt(1 - a_t²) ⊙ (i_t ⊙ x_t)`, output `y_t = h_t`.
+
+    Decays in `(-1, 1]` let the layer track state (the parity of a bit string, a
+    count modulo 2), which decays in `[0, 1]` cannot (Grazzi et al., "Unlocking
+    State-Tracking in Linear RNNs Through Negative Eigenvalues", 2025).
 
     The square root has a bounded derivative, so gradients stay finite as
     `a_t → 1`. `reset[t] = True` starts a segment at `t` (packed documents): the
@@ -91,6 +98,7 @@ class RGLRU(AbstractRecurrentLayer):
     input_size: int = eqx.field(static=True)
     num_heads: int = eqx.field(static=True)
     c: float = eqx.field(static=True)
+    negative_decays: bool = eqx.field(static=True)
     scan: AbstractScan
 
     def __init__(
@@ -101,6 +109,7 @@ class RGLRU(AbstractRecurrentLayer):
         c: float = 8.0,
         a_min: float = 0.9,
         a_max: float = 0.999,
+        negative_decays: bool = False,
         scan: AbstractScan = AutoScan(),
         dtype=None,
         key: PRNGKeyArray,
@@ -115,6 +124,9 @@ class RGLRU(AbstractRecurrentLayer):
         - `a_min`, `a_max`: `a_param` starts such that the decay at `r_t = 1`,
             `exp(-c · softplus(a_param))`, is uniform in `[a_min, a_max]`
             (`0 < a_min < a_max < 1`).
+        - `negative_decays`: decays `2 a - 1` in `(-1, 1]` instead of `a` (the
+            map is applied to the decay above, so `a_min`, `a_max` keep their
+            meaning), for state tracking.
         - `scan`: the recurrence backend, an [`eqx_seq.AbstractScan`][]: its
             `recurrence` runs the layer (any backend works).
         - `dtype`: the parameter dtype, float32 or float64 (default: JAX's default
@@ -152,6 +164,7 @@ class RGLRU(AbstractRecurrentLayer):
         self.input_size = input_size
         self.num_heads = num_heads
         self.c = c
+        self.negative_decays = check_bool("negative_decays", negative_decays)
         self.scan = scan
 
     # ---------------------------------------------------------------- pieces
@@ -181,8 +194,13 @@ class RGLRU(AbstractRecurrentLayer):
         i = self._gate(self.input_gate_weight, self.input_gate_bias, x)
         log_a = -self.c * r * jax.nn.softplus(self.a_param.astype(x.dtype))[None]
         a = jnp.exp(log_a)
-        # 1 - a² as -expm1(2 log a): exact near a = 1, where 1 - a² cancels
-        gain = sqrt_bounded_derivative(-jnp.expm1(2 * log_a))
+        if self.negative_decays:
+            # 1 - (2a - 1)² = -4 a expm1(log a): exact near a = 1 and a = 0
+            gain = sqrt_bounded_derivative(-4 * a * jnp.expm1(log_a))
+            a = 2 * a - 1
+        else:
+            # 1 - a² as -expm1(2 log a): exact near a = 1, where 1 - a² cancels
+            gain = sqrt_bounded_derivative(-jnp.expm1(2 * log_a))
         if reset is not None:
             a = jnp.where(reset[:, None], jnp.zeros((), a.dtype), a)
             gain = jnp.where(reset[:, None], jnp.ones((), gain.dtype), gain)

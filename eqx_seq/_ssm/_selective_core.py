@@ -1,10 +1,12 @@
 """The selective (S6) recurrence with its read-out fused in, checkpointed by chunks.
 
-    h_t = exp(delta_t A) * h_{t-1} + (delta_t u_t) B_t,    y_t = h_t C_t
+    h_t = a_t * h_{t-1} + (delta_t u_t) B_t,    y_t = h_t C_t
 
-with `h_t` of shape `(D, N)`, `delta_t`, `u_t` of shape `(D,)`, `B_t`, `C_t` of
-shape `(N,)`. Only `y` `(T, D)` and the last state leave a chunk: the `(T, D, N)`
-states are never stored, forward or backward.
+with the decay `a_t = exp(delta_t A)`, or `2 exp(delta_t A) - 1` in `(-1, 1)` with
+`negative` (Grazzi et al., "Unlocking State-Tracking in Linear RNNs Through
+Negative Eigenvalues", 2025), and `h_t` of shape `(D, N)`, `delta_t`, `u_t` of
+shape `(D,)`, `B_t`, `C_t` of shape `(N,)`. Only `y` `(T, D)` and the last state
+leave a chunk: the `(T, D, N)` states are never stored, forward or backward.
 
 One skeleton (`selective_chunks`) does the checkpointing: a forward scan over the
 chunks that keeps the state entering each, and a reversed scan that carries the
@@ -45,31 +47,82 @@ def unchunked(x: Array) -> Array:
     return x.reshape(x.shape[0] * x.shape[1], *x.shape[2:])
 
 
-def selective_decay(delta: Array, A: Array, keep: Array) -> Array:
-    """`exp(delta A)`, zero where `keep` is zero (a segment start), selected rather
-    than multiplied: an overflowing `exp` times zero would be NaN."""
-    return jnp.where(keep == 0, jnp.zeros((), A.dtype), jnp.exp(delta * A))
+def log_decays(x: Array, negative: bool) -> tuple[Array, Array | None, Array | None]:
+    """`(log|a|, a < 0, a == 0)` of the decays `a = exp(x)` (then `(x, None,
+    None)`), or with `negative` `a = 2 exp(x) - 1`. A zero decay forgets the state,
+    as a reset does: its `log|a|` is set to 0, and the callers count the step as a
+    segment start."""
+    if not negative:
+        return x, None, None
+    m = 2 * jnp.expm1(x)  # a - 1
+    a = 1 + m
+    zero, positive = a == 0, a > 0
+    # log1p where a > 0: exact near a = 1, where log(a) cancels
+    log_abs = jnp.where(
+        positive,
+        jnp.log1p(jnp.where(positive, m, 0)),
+        jnp.log(jnp.where(positive | zero, 1, -a)),
+    )
+    return log_abs, a < 0, zero
 
 
-def _coefficients(A, delta_t, u_t, B_t, keep_t):
-    """`(a_t, b_t)` of one step, both `(D, N)`; `keep_t = 0` at a segment start."""
-    a = selective_decay(delta_t[:, None], A, keep_t)
-    return a, (delta_t * u_t)[:, None] * B_t[None, :]
+def selective_decay(
+    delta: Array, A: Array, keep: Array, negative: bool
+) -> tuple[Array, Array]:
+    """`(a, da/d(delta A))`: the decays `exp(delta A)` (or `2 exp(delta A) - 1`
+    with `negative`) and their derivatives, both zero where `keep` is zero (a
+    segment start), selected rather than multiplied: an overflowing `exp` times
+    zero would be NaN."""
+    e = jnp.where(keep == 0, jnp.zeros((), A.dtype), jnp.exp(delta * A))
+    if not negative:
+        return e, e
+    return jnp.where(keep == 0, jnp.zeros((), A.dtype), 2 * e - 1), 2 * e
+
+
+def decay_product(delta: Array, A: Array, keep: Array, negative: bool) -> Array:
+    """The product over time of the decays of `delta` `(T, D)`, `(D, N)`: zero if
+    a segment starts (`keep` `(T,)` zero) or a decay is zero. Summed as logs, so
+    that no `(T, D, N)` array is kept."""
+    if not negative:
+        return selective_decay(
+            jnp.sum(delta, axis=0)[:, None], A, jnp.min(keep), False
+        )[0]
+    log_abs, below, zero = log_decays(delta[:, :, None] * A[None], True)
+    sign = jnp.where(jnp.sum(below, axis=0) % 2 == 1, -1, 1).astype(A.dtype)
+    stop = jnp.any(zero, axis=0) | (jnp.min(keep) == 0)
+    return jnp.where(stop, jnp.zeros((), A.dtype), sign * jnp.exp(jnp.sum(log_abs, 0)))
+
+
+def _coefficients(A, delta_t, u_t, B_t, keep_t, negative):
+    """`(a_t, b_t, da_t)` of one step, all `(D, N)`; `keep_t = 0` at a segment
+    start; `da_t` the derivative of `a_t` with respect to `delta_t A`."""
+    a, slope = selective_decay(delta_t[:, None], A, keep_t, negative)
+    return a, (delta_t * u_t)[:, None] * B_t[None, :], slope
 
 
 def selective_step(
-    h: Array, A: Array, delta_t: Array, u_t: Array, B_t: Array, C_t: Array, keep_t
+    h: Array,
+    A: Array,
+    delta_t: Array,
+    u_t: Array,
+    B_t: Array,
+    C_t: Array,
+    keep_t,
+    negative: bool,
 ) -> tuple[Array, Array]:
     """One step of the recurrence and its read-out: `(h_t, h_t C_t)` from
     `h_{t-1}` `(D, N)`; `keep_t = 0` starts a segment (the state is replaced,
     whatever it held). `LoopKernel` and `Mamba.step` both step with it."""
-    a, b = _coefficients(A, delta_t, u_t, B_t, keep_t)
+    a, b, _ = _coefficients(A, delta_t, u_t, B_t, keep_t, negative)
     h = decayed(a, h) + b
     return h, jnp.sum(h * C_t[None, :], axis=1)
 
 
 class AbstractKernel(eqx.Module):
-    """How one chunk of `L` steps runs inside `selective_chunks`."""
+    """How one chunk of `L` steps runs inside `selective_chunks`; `negative`: the
+    decays `2 exp(delta A) - 1`."""
+
+    negative: eqx.AbstractVar[bool]
 
     @abc.abstractmethod
     def forward(self, A, h, delta, u, B, C, keep) -> tuple[Array, Array]:
@@ -87,26 +140,30 @@ class RecurrenceKernel(AbstractKernel):
     """A chunk through the backend's recurrence, forward and backward."""
 
     scan: AbstractScan
+    negative: bool = eqx.field(static=True)
 
     def _states(self, A, h, delta, u, B, keep):
-        """The decays `a` and every state of the chunk, both `(L, D, N)`."""
-        a = selective_decay(delta[:, :, None], A[None], keep[:, None, None])
+        """The decays `a`, their derivatives and every state of the chunk, all
+        `(L, D, N)`."""
+        a, slope = selective_decay(
+            delta[:, :, None], A[None], keep[:, None, None], self.negative
+        )
         b = (delta * u)[:, :, None] * B[:, None, :]
-        return a, self.scan.recurrence(a, b, h)
+        return a, slope, self.scan.recurrence(a, b, h)
 
     def forward(self, A, h, delta, u, B, C, keep):
-        _, states = self._states(A, h, delta, u, B, keep)
+        _, _, states = self._states(A, h, delta, u, B, keep)
         return states[-1], jnp.einsum("ldn,ln->ld", states, C)
 
     def backward(self, A, nu, gA, h, delta, u, B, C, keep, gy):
-        a, states = self._states(A, h, delta, u, B, keep)
+        a, slope, states = self._states(A, h, delta, u, B, keep)
         # l_t = a_{t+1} l_{t+1} + gy_t C_t, run backwards from `nu`
         a_next = jnp.concatenate([a[1:], jnp.ones_like(a[:1])])
         rhs = gy[:, :, None] * C[:, None, :]
         lam = self.scan.recurrence(a_next, rhs, nu, reverse=True)
         h_prev = jnp.concatenate([h[None], states[:-1]])
-        # h_t = a_t h_{t-1} + (delta_t u_t) B_t with a_t = exp(delta_t A):
-        g_log_a = lam * decayed(a, h_prev)  # cotangent of delta_t A
+        # h_t = a_t h_{t-1} + (delta_t u_t) B_t with a_t a function of delta_t A
+        g_log_a = lam * decayed(slope, h_prev)  # cotangent of delta_t A
         g_drive = jnp.einsum("ldn,ln->ld", lam, B)  # of delta_t u_t
         g_delta = jnp.einsum("ldn,dn->ld", g_log_a, A) + g_drive * u
         g_B = jnp.einsum("ldn,ld->ln", lam, delta * u)
@@ -127,12 +184,13 @@ class LoopKernel(AbstractKernel):
     """A chunk one step at a time, everything of a step in one loop body."""
 
     unroll: int = eqx.field(static=True)
+    negative: bool = eqx.field(static=True)
 
     def forward(self, A, h, delta, u, B, C, keep):
         def step(t, carry):
             h, y = carry
             rows = (_row(x, t) for x in (delta, u, B, C, keep))
-            h, y_t = selective_step(h, A, *rows)
+            h, y_t = selective_step(h, A, *rows, self.negative)
             return h, _put(y, t, y_t)
 
         y = zeros_like_inputs(u.shape, u.dtype, h, delta, u, B, C)
@@ -142,13 +200,12 @@ class LoopKernel(AbstractKernel):
         L = u.shape[0]
 
         def coefficients(t):
-            return _coefficients(
-                A, _row(delta, t), _row(u, t), _row(B, t), _row(keep, t)
-            )
+            rows = (_row(x, t) for x in (delta, u, B, keep))
+            return _coefficients(A, *rows, self.negative)
 
         def recompute(t, carry):
             h, previous = carry
-            a, b = coefficients(t)
+            a, b, _ = coefficients(t)
             return decayed(a, h) + b, _put(previous, t, h)
 
         # the buffer varies over the mesh like the inputs (under `jax.shard_map`)
@@ -159,10 +216,11 @@ class LoopKernel(AbstractKernel):
             t = L - 1 - i
             nu, gA, g_delta, g_u, g_B, g_C = carry
             delta_t, u_t, B_t, gy_t = (_row(x, t) for x in (delta, u, B, gy))
-            a, b = coefficients(t)
-            forgotten = decayed(a, _row(previous, t))  # a_t h_{t-1}
+            a, b, slope = coefficients(t)
+            h_prev = _row(previous, t)
+            forgotten = decayed(a, h_prev)  # a_t h_{t-1}
             lam = nu + gy_t[:, None] * _row(C, t)[None, :]
-            g_log_a = lam * forgotten  # cotangent of delta_t A
+            g_log_a = lam * decayed(slope, h_prev)  # cotangent of delta_t A
             g_drive = jnp.sum(lam * B_t[None, :], axis=1)  # of delta_t u_t
             g_delta = _put(g_delta, t, jnp.sum(g_log_a * A, axis=1) + g_drive * u_t)
             g_u = _put(g_u, t, g_drive * delta_t)

@@ -11,10 +11,10 @@ from jaxtyping import Array, ArrayLike, Bool, Float
 from .._misc import check_positive_int, check_reset, check_sequence, vary_like
 from .._scan import AbstractScan, AutoScan, check_scan
 from ._selective_core import (
+    decay_product,
     LoopKernel,
     RecurrenceKernel,
     selective_chunks,
-    selective_decay,
 )
 
 
@@ -39,23 +39,25 @@ def _check_shapes(arrays: dict, T: int, D: int, N: int) -> None:
             )
 
 
-def _block(scan: AbstractScan, chunk: int, args: tuple, h0: Array) -> tuple:
+def _block(
+    scan: AbstractScan, chunk: int, args: tuple, h0: Array, negative: bool
+) -> tuple:
     """`(y, h_last)` of the selective recurrence from `h0` on one block, by the
     algorithm the block's backend declares: the fused loop of a sequential one,
     else its chunked recurrences."""
     if scan.parallel:
-        kernel = RecurrenceKernel(scan)
+        kernel = RecurrenceKernel(scan, negative)
     else:
-        kernel = LoopKernel(scan.unroll)
+        kernel = LoopKernel(scan.unroll, negative)
     return selective_chunks(kernel, chunk, *args, h0)
 
 
 @eqx.filter_jit
-def _run(scan, chunk, u, delta, A, B, C, D, z, delta_bias, delta_softplus, h0, reset):
+def _run(scan, chunk, u, delta, A, B, C, D, z, bias, softplus, h0, reset, negative):
     T = u.shape[0]
-    if delta_bias is not None:
-        delta = delta + delta_bias[None]
-    if delta_softplus:
+    if bias is not None:
+        delta = delta + bias[None]
+    if softplus:
         delta = jax.nn.softplus(delta)
     # Under `jax.shard_map`, a parameter shared by the devices meets per-device
     # data inside the custom VJP, whose cotangents must have its inputs' types:
@@ -78,15 +80,13 @@ def _run(scan, chunk, u, delta, A, B, C, D, z, delta_bias, delta_softplus, h0, r
 
     def block_map(start):
         # this block's affine map `h -> prod(a) h + H` (for a time axis split over
-        # devices), with `prod(a) = exp(A sum(delta))` (zero if a segment starts in
-        # it, selected: the exponential alone may overflow where the resets keep
-        # every state finite) and `H` its last state from `start`
-        total = jnp.sum(delta, axis=0)[:, None]
-        _, last = _block(local, chunk, args, vary_like(start, A))
-        return selective_decay(total, A, jnp.min(keep)), last
+        # devices): `prod(a)` its decays' product (zero if a segment starts in it)
+        # and `H` its last state from `start`
+        _, last = _block(local, chunk, args, vary_like(start, A), negative)
+        return decay_product(delta, A, keep, negative), last
 
     h0 = vary_like(scan.carry_into_block(block_map, h0), A)
-    y, h_last = _block(local, chunk, args, h0)
+    y, h_last = _block(local, chunk, args, h0, negative)
     y = y[:T]
     if D is not None:
         y = y + D[None] * u
@@ -109,6 +109,7 @@ def selective_scan(
     h0: Float[ArrayLike, "D N"] | None = None,
     reset: Bool[ArrayLike, " T"] | Sequence[bool] | None = None,
     return_last_state: bool = False,
+    negative_decays: bool = False,
     scan: AbstractScan = AutoScan(),
     chunk_size: int = 64,
 ) -> Float[Array, "T D"] | tuple[Float[Array, "T D"], Float[Array, "D N"]]:
@@ -123,7 +124,9 @@ def selective_scan(
 
     times $\mathrm{silu}(z_t)$ when `z` is given: the arguments and results of the
     reference `selective_scan_fn` of `state-spaces/mamba`, for one sequence, time
-    first (`jax.vmap` for a batch).
+    first (`jax.vmap` for a batch). With `negative_decays=True` the decay
+    $\exp(\Delta_t A)$ becomes $2 \exp(\Delta_t A) - 1$, in $(-1, 1)$, for state
+    tracking (Grazzi et al., 2025).
 
     The `(T, D, N)` states are never stored: only `y`, the final state and the
     state at the start of every chunk of `chunk_size` steps. The gradient
@@ -138,7 +141,7 @@ def selective_scan(
     With [`eqx_seq.ShardedScan`][] (inside `jax.shard_map`, the time axis split
     over devices), each device runs its inner backend's algorithm on its block
     twice: from zero, for the block's map (its last state, and the product of its
-    decays `exp(A sum(delta))`), then from the state folded from the maps of the
+    decays), then from the state folded from the maps of the
     blocks before it. Only the first device's `h0` is used, and the last
     device's `h_last` is the whole sequence's.
 
@@ -161,6 +164,8 @@ def selective_scan(
         gives the outputs of a separate call, and `h0` is ignored at a reset on
         step 0.
     - `return_last_state`: also return the state after the last step.
+    - `negative_decays`: decays `2 exp(delta A) - 1` in `(-1, 1)` instead of
+        `exp(delta A)`.
     - `scan`: the backend, an [`eqx_seq.AbstractScan`][].
     - `chunk_size`: the steps between stored states.
 
@@ -237,6 +242,7 @@ def selective_scan(
         bool(delta_softplus),
         arrays.get("h0"),
         check_reset(reset, T, "selective_scan"),
+        bool(negative_decays),
     )
     y = y.astype(dtype)
     if return_last_state:

@@ -24,6 +24,7 @@ from jaxtyping import Array, ArrayLike, Bool, Float
 from .._misc import check_positive_int, check_reset, vary_like
 from .._recurrence import linear_recurrence
 from .._scan import AbstractScan, AutoScan, check_scan
+from ._selective_core import log_decays
 
 
 def _step_sizes(dt, dt_bias, dt_softplus: bool, dt_limit: tuple[float, float]):
@@ -45,19 +46,6 @@ def _masked_exp(keep: Array, x: Array, flips: Array | None = None) -> Array:
     neither the value nor its derivative sees it."""
     out = jnp.exp(jnp.where(keep, x, -jnp.inf))
     return out if flips is None else jnp.where(flips % 2 == 1, -out, out)
-
-
-def _log_decays(dt: Array, A: Array, negative: bool):
-    """`(log|a|, a < 0, a == 0)` of the decays `a = exp(dt A)`, or with `negative`
-    `a = 2 exp(dt A) - 1` (in `(-1, 1)` for `dt A < 0`: Grazzi et al., 2025). A
-    zero decay forgets the state, as a reset does: its `log|a|` is set to 0 and the
-    step counted as a segment start."""
-    x = dt * A[None]
-    if not negative:
-        return x, None, None
-    a = 1 + 2 * jnp.expm1(x)
-    zero = a == 0
-    return jnp.log(jnp.abs(jnp.where(zero, 1, a))), a < 0, zero
 
 
 # --- one chunk: `Q` steps, vmapped over the chunks ---
@@ -130,7 +118,7 @@ def _run(
         v = v.reshape(K, chunk, *v.shape[1:])
         return jnp.moveaxis(v, 1, 1 + len(shape))
 
-    log_a, below, zero = _log_decays(dt, A, negative)
+    log_a, below, zero = log_decays(dt * A[None], negative)
     log_a = chunks(log_a.reshape(T, G, R), G, R)
     xdt = chunks((x * dt[..., None]).reshape(T, G, R, P), G, R)
     B, C = chunks(B, G), chunks(C, G)
