@@ -40,7 +40,7 @@ _LONG_FIRST = (
 _NO_TESTS = 5  # pytest's exit code when nothing was collected
 
 
-def _split_args(args: list[str]) -> tuple[dict[pathlib.Path, list[str]], list[str]]:
+def split_args(args: list[str]) -> tuple[dict[pathlib.Path, list[str]], list[str]]:
     """The files to run, each with the node ids named in it (none: the whole file),
     apart from the options for pytest."""
     files: dict[pathlib.Path, list[str]] = {}
@@ -61,7 +61,7 @@ def _split_args(args: list[str]) -> tuple[dict[pathlib.Path, list[str]], list[st
     return files, options
 
 
-def _order(files: list[pathlib.Path]) -> list[pathlib.Path]:
+def order(files: list[pathlib.Path]) -> list[pathlib.Path]:
     """Longest first (times of the last run where there is one), so the jobs end
     together."""
     try:
@@ -82,10 +82,10 @@ def main(argv: list[str]) -> int:
     known, rest = parser.parse_known_args(argv)
     if known.jobs < 1:
         parser.error(f"--jobs must be at least 1, got {known.jobs}")
-    named, options = _split_args(rest)
+    named, options = split_args(rest)
     if not named:
         named = {file: [] for file in _HERE.glob("test_*.py")}
-    files = _order(list(named))
+    files = order(list(named))
 
     owns_cache = "EQX_SEQ_TESTS_XLA_CACHE" not in os.environ
     if owns_cache:
@@ -131,7 +131,12 @@ def main(argv: list[str]) -> int:
     _TIMES.parent.mkdir(parents=True, exist_ok=True)
     _TIMES.write_text(json.dumps({f.name: r[1] for f, r in results.items()}))
 
-    codes = [code for code, _, _ in results.values()]
+    return exit_code([code for code, _, _ in results.values()])
+
+
+def exit_code(codes: list[int]) -> int:
+    """The run's exit code from its files': the largest failing one; 0 when every
+    file passed or collected nothing, `_NO_TESTS` when none collected a test."""
     failed = [code for code in codes if code not in (0, _NO_TESTS)]
     if failed:
         return max(failed)

@@ -127,6 +127,17 @@ def test_selective_scan_optional_arguments(getkey):
     np.testing.assert_allclose(y, y_ref, rtol=1e-10, atol=1e-12)
 
 
+def check_every_argument(loss, p, grads, getkey):
+    """`grads` of `loss` at the arguments `p` against finite differences, every
+    argument on its own, so that a wrong cotangent cannot hide in a sum."""
+    for name in p:
+        direction = {k: jnp.zeros_like(v) for k, v in p.items()}
+        direction[name] = jr.normal(getkey(), p[name].shape)
+        expected = directional_fd(loss, p, direction)
+        got = directional_derivative(grads, direction)
+        np.testing.assert_allclose(got, expected, rtol=1e-6, err_msg=name)
+
+
 @pytest.mark.parametrize(
     "scan, chunk_size",
     [("sequential", 4), ("sequential", 64), ("unrolled", 4), ("associative", 4)],
@@ -144,14 +155,7 @@ def test_selective_scan_gradients_match_finite_differences(scan, chunk_size, get
         )  # fmt: skip
         return jnp.sum(jnp.sin(y)) + jnp.sum(h**2)
 
-    grads = jax.grad(loss)(p)
-    # every argument on its own, so that a wrong cotangent cannot hide in a sum
-    for name in p:
-        direction = {k: jnp.zeros_like(v) for k, v in p.items()}
-        direction[name] = jr.normal(getkey(), p[name].shape)
-        expected = directional_fd(loss, p, direction)
-        got = directional_derivative(grads, direction)
-        np.testing.assert_allclose(got, expected, rtol=1e-6, err_msg=name)
+    check_every_argument(loss, p, jax.grad(loss)(p), getkey)
 
 
 @pytest.mark.parametrize("scan", ["sequential", "associative"])
@@ -183,12 +187,7 @@ def test_selective_scan_negative_decays(scan, getkey):
     )  # fmt: skip
     np.testing.assert_allclose(y, y_ref, rtol=1e-10, atol=1e-12)
     np.testing.assert_allclose(h, h_ref, rtol=1e-10, atol=1e-12)
-    for name in p:
-        direction = {k: jnp.zeros_like(v) for k, v in p.items()}
-        direction[name] = jr.normal(getkey(), p[name].shape)
-        expected = directional_fd(loss, p, direction)
-        got = directional_derivative(grads, direction)
-        np.testing.assert_allclose(got, expected, rtol=1e-6, err_msg=name)
+    check_every_argument(loss, p, grads, getkey)
 
 
 def test_selective_scan_streams_in_chunks(getkey):

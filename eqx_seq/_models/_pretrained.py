@@ -94,8 +94,9 @@ def _setting(config: dict, name: str, default: object = None) -> int:
 
 
 class _Weights:
-    """The checkpoint's tensors, handed out by name (each at most once), checked
-    against the shape the layer needs and cast to the parameter dtype."""
+    """The checkpoint's tensors, handed out by name, each checked against the
+    shape the layer needs and cast to the parameter dtype; `check_all_used`
+    refuses tensors that were never asked for."""
 
     def __init__(self, weights: dict[str, np.ndarray], dtype):
         self.weights = weights
