@@ -412,6 +412,8 @@ def test_mamba_half_precision_input(getkey):
 @pytest.mark.usefixtures("unchecked_annotations")
 def test_mamba_rejects_bad_input(getkey):
     layer = eqx_seq.Mamba(4, state_size=3, key=getkey())
+    with pytest.raises(ValueError, match="`negative_decays` must be a bool"):
+        eqx_seq.Mamba(4, negative_decays="yes", key=getkey())
     with pytest.raises(ValueError, match="one unbatched sequence"):
         layer(jnp.ones((5, 3)))
     with pytest.raises(ValueError, match="one unbatched sequence"):
