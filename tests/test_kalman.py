@@ -395,6 +395,7 @@ KALMAN_LAYERS = [
     ["_parallel"],
     ["_diffuse"],
     ["_filter"],
+    ["_interface"],
     ["_model"],
     ["_linalg"],
 ]

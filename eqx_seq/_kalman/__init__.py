@@ -5,10 +5,10 @@ Each file imports only files below it: `_layer` (the layer) -> `_em`, `_fisher`,
 `_parallel` -> `_diffuse` -> `_filter` -> `_model` -> `_linalg`.
 """
 
-from ._layer import KalmanFilter as KalmanFilter
-from ._model import (
+from ._interface import (
     KalmanFilterResult as KalmanFilterResult,
     KalmanForecastResult as KalmanForecastResult,
     KalmanSmootherResult as KalmanSmootherResult,
     KalmanState as KalmanState,
 )
+from ._layer import KalmanFilter as KalmanFilter

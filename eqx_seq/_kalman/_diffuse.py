@@ -10,6 +10,10 @@ from jaxtyping import Array
 
 from .._misc import error_if_any
 from ._filter import predict
+from ._interface import (
+    filter_result,
+    KalmanFilterResult,
+)
 from ._linalg import (
     chol,
     LOG_2PI,
@@ -17,7 +21,11 @@ from ._linalg import (
     sandwich,
     sym,
 )
-from ._model import filter_result, KalmanFilterResult, Model, per_step, Problem
+from ._model import (
+    Model,
+    per_step,
+    Problem,
+)
 
 
 # --- the exact diffuse filter: an infinite-variance prior, resolved by the first

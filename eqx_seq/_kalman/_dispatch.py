@@ -19,11 +19,13 @@ from ._filter import (
     filter_steady,
     may_settle,
 )
+from ._interface import (
+    KalmanFilterResult,
+    KalmanSmootherResult,
+)
 from ._linalg import chol
 from ._model import (
     all_observed,
-    KalmanFilterResult,
-    KalmanSmootherResult,
     Model,
     prepare,
     Problem,

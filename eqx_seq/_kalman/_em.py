@@ -23,10 +23,12 @@ from jaxtyping import Array
 from .._misc import check_positive_int, full_precision
 from .._scan import AbstractScan
 from ._e_step import sequence_moments
+from ._interface import (
+    inputs,
+)
 from ._m_step import Fixed, m_step, Mask, WHERE
 from ._model import (
     Initialization,
-    inputs,
     model_of,
     Parameters,
     PriorAt,

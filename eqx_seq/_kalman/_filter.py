@@ -14,6 +14,10 @@ import jax.numpy as jnp
 from jaxtyping import Array
 
 from .._misc import full_precision
+from ._interface import (
+    filter_result,
+    KalmanFilterResult,
+)
 from ._linalg import (
     bmm,
     gram,
@@ -29,7 +33,11 @@ from ._linalg import (
     tril_inverse_by_rows,
     whitened_log_density,
 )
-from ._model import filter_result, KalmanFilterResult, Model, per_step, Problem
+from ._model import (
+    Model,
+    per_step,
+    Problem,
+)
 
 
 # --- one filter step, and the sequential filter's loop body built from it ---

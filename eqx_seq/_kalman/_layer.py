@@ -13,26 +13,28 @@ from .._scan import AbstractScan, AutoScan
 from ._dispatch import backend, filter_, smooth
 from ._em import check_fit_em, fit_em, from_filter_spec
 from ._fisher import fisher_log_likelihood
-from ._linalg import factor, gram
-from ._model import (
+from ._interface import (
     check_length,
-    check_options,
     controls,
-    Initialization,
     inputs,
     KalmanFilterResult,
     KalmanForecastResult,
     KalmanSmootherResult,
     KalmanState,
+    not_diffuse,
+    splits_time,
+)
+from ._linalg import factor, gram
+from ._model import (
+    check_options,
+    Initialization,
     Model,
     model_of,
-    not_diffuse,
     Parameters,
     parameters_from_matrices,
     prior,
     PriorAt,
     random_parameters,
-    splits_time,
 )
 from ._predictive import (
     check_control,

@@ -1,6 +1,6 @@
 """The model: its parameters and their matrices, the prior's options, the model in
 computational form (`Model`) and the observations of one call prepared once
-(`Problem`), the results, and the input checks of the layer's methods.
+(`Problem`). The results and the methods' input checks are in `_interface.py`.
 
 Observations are whitened by the Cholesky factor of `R_t` (see
 `docs/devdocs/kalman.md`, "Whitening"): every filter, smoother and gradient then
@@ -16,10 +16,9 @@ import jax.lax as lax
 import jax.numpy as jnp
 import jax.random as jr
 import jax.scipy.linalg as jsl
-from jaxtyping import Array, Float, PRNGKeyArray
+from jaxtyping import Array, PRNGKeyArray
 
 from .._misc import check_parameter_dtype, error_if_any, full_precision, vary_like
-from .._scan import AbstractScan, mesh_axis
 from ._linalg import eye_like, factor, gram, inverse_cholesky, mT, sym, unfactor
 
 
@@ -428,185 +427,3 @@ def prepare(model: Model, ys: Array, us: Array | None, whitening: Whitening) -> 
             all_observed(obs), full, lambda: _whiten(L_R, obs, R_varies)
         )
     return Problem(varied, c, obs, W, logdet, _whitened(W, y))
-
-
-# --- what the filter and the smoother return ---
-
-
-class KalmanFilterResult(eqx.Module):
-    """What [`eqx_seq.KalmanFilter.filter`][] returns.
-
-    Row `t - 1` of each array is about step `t`: `means[t-1]` and `covs[t-1]` are
-    the filtered `E[x_t | y_1..y_t]` and `Cov[x_t | y_1..y_t]`; `predicted_means` and
-    `predicted_covs` the one-step predictions given `y_1..y_{t-1}`;
-    `log_likelihoods[t-1]` is `log p(y_t | y_1..y_{t-1})` over the observed (non-NaN)
-    entries of `y_t` (zero for a step with none); `log_likelihood` is their sum,
-    `log p(y_1..y_T)`.
-    """
-
-    means: Float[Array, "T n"]
-    covs: Float[Array, "T n n"]
-    predicted_means: Float[Array, "T n"]
-    predicted_covs: Float[Array, "T n n"]
-    log_likelihoods: Float[Array, " T"]
-    log_likelihood: Float[Array, ""]
-
-
-class KalmanSmootherResult(eqx.Module):
-    """What [`eqx_seq.KalmanFilter.smooth`][] returns.
-
-    `means[t-1]` and `covs[t-1]` are the smoothed `E[x_t | y_1..y_T]` and
-    `Cov[x_t | y_1..y_T]`; `cross_covs[t-1]` is `Cov[x_t, x_{t+1} | y_1..y_T]` for
-    `t < T` (what EM needs); `filtered` is the filter's result, log-likelihood
-    included. With the time axis split over devices ([`eqx_seq.ShardedScan`][]),
-    each device's `cross_covs` has a row per step, the last being the one across
-    the boundary with the next block (zero on the last device).
-    """
-
-    means: Float[Array, "T n"]
-    covs: Float[Array, "T n n"]
-    # `T` rows on each device with the time axis split (see above)
-    cross_covs: Float[Array, "T-1 n n"] | Float[Array, "T n n"]
-    filtered: KalmanFilterResult
-
-
-class KalmanForecastResult(eqx.Module):
-    """What [`eqx_seq.KalmanFilter.forecast`][] returns.
-
-    Row `h - 1` of each array is about step `T + h` after `T` observations:
-    `means[h-1]` and `covs[h-1]` are `E[x_{T+h} | y_1..y_T]` and
-    `Cov[x_{T+h} | y_1..y_T]`; `obs_means[h-1]` and `obs_covs[h-1]` those of
-    `y_{T+h}`, whose covariance `H P H^T + R` includes the observation noise.
-    """
-
-    means: Float[Array, "horizon n"]
-    covs: Float[Array, "horizon n n"]
-    obs_means: Float[Array, "horizon p"]
-    obs_covs: Float[Array, "horizon p p"]
-
-
-class KalmanState(eqx.Module):
-    """The state of online filtering: what [`eqx_seq.KalmanFilter.init_state`][],
-    [`eqx_seq.KalmanFilter.predict`][] and [`eqx_seq.KalmanFilter.update`][] pass
-    along.
-
-    `mean` and `cov` are the current Gaussian belief about the state (after an
-    update, the filtered moments given the observations so far; after a predict,
-    the one-step prediction); `log_likelihood` is the log-likelihood of the
-    observed entries so far, `log p(y_1..y_t)`. The state holds a square root of
-    the covariance, `cov = cov_factor @ cov_factor.T` (lower triangular as the
-    steps return it; any square factor is accepted), because the steps are the
-    square-root filter's.
-    """
-
-    mean: Float[Array, " n"]
-    cov_factor: Float[Array, "n n"]
-    log_likelihood: Float[Array, ""]
-
-    @property
-    def cov(self) -> Float[Array, "n n"]:
-        """The covariance, `cov_factor @ cov_factor.T`."""
-        L = self.cov_factor
-        return L @ L.T
-
-
-def filter_result(ms, Ps, mps, Pps, lls, logdet) -> KalmanFilterResult:
-    """The result from the filter's outputs on whitened observations: the whitening's
-    log-determinant `logdet` (per step) completes the log-likelihoods."""
-    lls = lls - logdet
-    return KalmanFilterResult(ms, Ps, mps, Pps, lls, jnp.sum(lls))
-
-
-# --- input checks of `KalmanFilter`'s methods: observations, controls, lengths ---
-
-
-def splits_time(scan: AbstractScan) -> bool:
-    """Whether `scan` splits the time axis over devices (`eqx_seq.ShardedScan`)."""
-    return scan.select().splits_time
-
-
-def inputs(
-    params: Parameters, scan: AbstractScan, ys: Any, us: Any, caller: str
-) -> tuple[Array, Array | None]:
-    """Validate observations and controls; cast them to the parameters' dtype."""
-    ys = observations(params, ys, caller)
-    T = ys.shape[0]
-    if splits_time(scan):
-        check_block(params, scan, T, caller)
-    else:
-        check_length(params, T, caller)
-    return ys, controls(params, us, T, caller)
-
-
-def observations(params: Parameters, ys: Any, caller: str) -> Array:
-    """Validate observations (any length); cast them to the parameters' dtype."""
-    ys = jnp.asarray(ys)
-    if not jnp.issubdtype(ys.dtype, jnp.floating):
-        raise ValueError(
-            f"eqx_seq.KalmanFilter.{caller}: `ys` must be floating (NaN marks a "
-            f"missing entry), got dtype {ys.dtype}."
-        )
-    if ys.ndim != 2 or ys.shape[1] != params.obs_size or ys.shape[0] < 1:
-        raise ValueError(
-            f"eqx_seq.KalmanFilter.{caller}: `ys` must have shape (T, obs_size) "
-            f"= (T, {params.obs_size}) with T >= 1, got {ys.shape}. Use `jax.vmap` "
-            "for a batch of sequences."
-        )
-    return ys.astype(params.m0.dtype)
-
-
-def not_diffuse(initialization: Initialization, caller: str) -> None:
-    if initialization == "diffuse":
-        raise NotImplementedError(
-            f"eqx_seq.KalmanFilter.{caller}: not available with "
-            'initialization="diffuse" (the exact diffuse smoother is not '
-            'implemented); use "known" with a large `P0` (approximately '
-            "diffuse)."
-        )
-
-
-def check_length(params: Parameters, T: int, caller: str) -> None:
-    if params.num_steps is not None and T != params.num_steps:
-        raise ValueError(
-            f"eqx_seq.KalmanFilter.{caller}: this model is time-varying with "
-            f"{params.num_steps} steps, but the sequence has {T}."
-        )
-
-
-def check_block(params: Parameters, scan: AbstractScan, T: int, caller: str) -> None:
-    """With the time axis split over devices (`eqx_seq.ShardedScan`): `T` is this
-    device's block, and the time-varying matrices must be split like it."""
-    num_devices, _ = mesh_axis(scan.axis_name)
-    check_length(params, T * num_devices, caller)
-    leaves = (params.F, params.H, params.Q_factor, params.R_factor)
-    lengths = {x.shape[0] for x in leaves if x.ndim == 3}
-    if lengths and lengths != {T}:
-        raise ValueError(
-            f"eqx_seq.KalmanFilter.{caller}: with the time axis split over devices, "
-            "split the time-varying matrices like the observations (in_specs "
-            f"`P({scan.axis_name!r})` for them): this device has {T} steps of "
-            f"observations but matrices of {sorted(lengths)} steps."
-        )
-
-
-def controls(params: Parameters, us: Any, T: int, caller: str) -> Array | None:
-    c = params.control_size
-    if c == 0:
-        if us is not None:
-            raise ValueError(
-                f"eqx_seq.KalmanFilter.{caller}: got controls `us` but this model "
-                "has control_size=0."
-            )
-        return None
-    if us is None:
-        raise ValueError(
-            f"eqx_seq.KalmanFilter.{caller}: this model has control_size={c}; "
-            f"pass `us` of shape (T, {c})."
-        )
-    us = jnp.asarray(us)
-    if us.shape != (T, c) or not jnp.issubdtype(us.dtype, jnp.floating):
-        raise ValueError(
-            f"eqx_seq.KalmanFilter.{caller}: `us` must be a floating array of "
-            f"shape (T, control_size) = ({T}, {c}), got {us.shape} {us.dtype}."
-        )
-    return us.astype(params.m0.dtype)

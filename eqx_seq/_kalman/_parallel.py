@@ -21,6 +21,10 @@ from ._filter import (
     predicted_covs,
     update,
 )
+from ._interface import (
+    filter_result,
+    KalmanFilterResult,
+)
 from ._linalg import (
     cho_solve,
     chol,
@@ -33,7 +37,10 @@ from ._linalg import (
     tril_inverse_by_rows,
     whitened_log_density,
 )
-from ._model import filter_result, KalmanFilterResult, per_step, Problem
+from ._model import (
+    per_step,
+    Problem,
+)
 
 
 def _filter_elements(problem: Problem):

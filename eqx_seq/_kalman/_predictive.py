@@ -15,6 +15,12 @@ from .._misc import full_precision
 from .._scan import AbstractScan
 from ._dispatch import backend, filter_
 from ._filter import predict
+from ._interface import (
+    controls,
+    KalmanForecastResult,
+    KalmanState,
+    observations,
+)
 from ._linalg import (
     cholesky,
     gram,
@@ -28,11 +34,7 @@ from ._linalg import (
     whitened_log_density,
 )
 from ._model import (
-    controls,
-    KalmanForecastResult,
-    KalmanState,
     Model,
-    observations,
     Parameters,
     per_step,
     prepare,

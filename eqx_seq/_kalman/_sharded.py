@@ -32,6 +32,11 @@ from ._filter import (
     settle,
     steady_tail,
 )
+from ._interface import (
+    KalmanFilterResult,
+    KalmanSmootherResult,
+    splits_time,
+)
 from ._linalg import (
     bmm,
     chol,
@@ -45,13 +50,10 @@ from ._linalg import (
     tril_inverse_by_rows,
 )
 from ._model import (
-    KalmanFilterResult,
-    KalmanSmootherResult,
     Model,
     per_step,
     prepare,
     Problem,
-    splits_time,
 )
 from ._parallel import filter_parallel, sqrt_combine
 from ._smoother import combine, element, smooth_elements, smoother_elements

@@ -8,6 +8,10 @@ import jax.numpy as jnp
 from jaxtyping import Array
 
 from .._scan import AbstractScan
+from ._interface import (
+    KalmanFilterResult,
+    KalmanSmootherResult,
+)
 from ._linalg import (
     bmm,
     cholesky,
@@ -19,7 +23,10 @@ from ._linalg import (
     tria,
     tril_inverse_by_rows,
 )
-from ._model import KalmanFilterResult, KalmanSmootherResult, Model, per_step
+from ._model import (
+    Model,
+    per_step,
+)
 
 
 def element(m: Array, L: Array, m_pred_next: Array, F: Array, L_Q: Array):
