@@ -252,13 +252,16 @@ class Mamba2(AbstractRecurrentLayer):
 
     # -------------------------------------------------------------------- pieces
 
-    def _split(self, zxbcdt: Array) -> tuple[Array, Array, Array]:
-        """`(z, xBC, dt)` from the in-projection (last axis)."""
+    def _project(self, x: Array) -> tuple[Array, Array, Array]:
+        """`(z, xBC, dt)`: the in-projection (last axis of `x`), as one product per
+        part rather than one product sliced, whose slices and their gradient's
+        padding would each be a pass over the projection."""
         E, GN = self.channels, self._gn
+        w = self.in_proj.astype(x.dtype)
         return (
-            zxbcdt[..., :E],
-            zxbcdt[..., E : 2 * E + 2 * GN],
-            zxbcdt[..., 2 * E + 2 * GN :],
+            x @ w[:E].T,
+            x @ w[E : 2 * E + 2 * GN].T,
+            x @ w[2 * E + 2 * GN :].T,
         )
 
     def _heads(self, xBC: Array) -> tuple[Array, Array, Array]:
@@ -284,7 +287,7 @@ class Mamba2(AbstractRecurrentLayer):
         self, x: Array, h0: Mamba2State | None, reset: Array | None
     ) -> tuple[Array, Mamba2State]:
         dtype = x.dtype
-        z, xBC, dt = self._split(x @ self.in_proj.astype(dtype).T)
+        z, xBC, dt = self._project(x)
         conv_state, ssm_state = (None, None) if h0 is None else h0
         # on a time axis split over devices, the inputs before this block
         conv_state = self.conv.block_state(xBC, conv_state, reset, self.scan)
@@ -388,7 +391,7 @@ class Mamba2(AbstractRecurrentLayer):
             raise ValueError(f"`reset` in `step` must be a bool scalar, got {reset!r}.")
         conv_state, h = self._check_state(state, "Mamba2.step")
         dtype = self._dtype(x_t)
-        z, xBC, dt = self._split(x_t.astype(dtype) @ self.in_proj.astype(dtype).T)
+        z, xBC, dt = self._project(x_t.astype(dtype))
         conv_state, xBC = self.conv.step(conv_state.astype(dtype), xBC, reset)
         xs, B, C = self._heads(jax.nn.silu(xBC))
         h = jnp.where(reset, jnp.zeros((), dtype), h.astype(dtype))

@@ -89,7 +89,9 @@ def _chunk_output(log_a, xdt, B, C, segment, flips, h_in):
     gap = None if flips is None else flips[..., :, None] - flips[..., None, :]
     decay = _masked_exp(same, L[..., :, None] - L[..., None, :], gap)
     CB = jnp.einsum("gsn,gtn->gst", C, B)
-    own = jnp.einsum("grst,grtp->grsp", decay * CB[:, None], xdt)
+    # a product with batch axes, not a broadcast: the gradient with respect to `CB`
+    # is then a batched dot rather than a sum over the heads, which XLA:CPU makes slow
+    own = jnp.einsum("grst,grtp->grsp", jnp.einsum("grst,gst->grst", decay, CB), xdt)
     entry = _masked_exp(segment == 0, L, flips)
     read = jnp.einsum("gsn,grpn->grsp", C, h_in)
     return own + entry[..., None] * read
