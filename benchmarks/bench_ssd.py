@@ -1,11 +1,13 @@
 """The chunked scan (SSD) and the Mamba-2 layer: against our Mamba (the read-out-fused
 selective scan) at equal total state, against the paper's minimal SSD written in
 JAX here (the quadratic einsum between chunks that ports ship), and the gradient's
-cost against the forward.
+cost against the forward, and a `Mamba2` layer on one device against the same
+sequence split over two CPU devices (`eqx_seq.ShardedScan`).
 
 float32, one sequence, jitted, samples interleaved round-robin, medians after
 warm-up (compilation reported apart). Peak memory is XLA's buffer assignment of
-the compiled gradient (`memory_analysis().temp_size_in_bytes`).
+the compiled gradient (`memory_analysis().temp_size_in_bytes`); per device for the split run (arguments,
+outputs and temporaries, as `bench_sequence_parallel.py` reports them).
 
     python benchmarks/bench_ssd.py            # about 15 minutes on 2 CPU cores
     python benchmarks/bench_ssd.py --quick    # T = 1k and 4k, for a smoke test
@@ -15,12 +17,18 @@ import argparse
 import os
 import sys
 
-import equinox as eqx
 import jax
-import jax.numpy as jnp
-import jax.random as jr
 
-import eqx_seq
+
+# two CPU devices for the split run, set before JAX starts its backend; the other
+# programs run on the first
+jax.config.update("jax_num_cpu_devices", 2)
+
+import equinox as eqx  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import jax.random as jr  # noqa: E402
+
+import eqx_seq  # noqa: E402
 
 
 sys.path.insert(0, os.path.dirname(__file__))
@@ -36,6 +44,7 @@ from _timing import (  # noqa: E402
     times,
     write_reports,
 )
+from bench_sequence_parallel import compare, layer_programs as split_programs  # noqa: E402
 
 
 # --- the anchor: the paper's minimal SSD (Dao & Gu 2024, listing 1), in JAX ---
@@ -123,6 +132,16 @@ def layer_programs(T, width, N, head_dim, chunk, key):
     return progs
 
 
+def mamba2_split_programs(T):
+    """A `Mamba2` layer (16 features, heads of 16, 16 states) on one device and
+    split over two: forward, and the gradient of a weighted sum of the outputs with
+    respect to the parameters and the input."""
+    make = lambda scan: eqx_seq.Mamba2(
+        16, state_size=16, head_dim=16, scan=scan, dtype=jnp.float32, key=jr.key(0)
+    )
+    return split_programs(make, T, 16, 2, seed=5)
+
+
 def temp_bytes(fn, args) -> int:
     return fn.lower(*args).compile().memory_analysis().temp_size_in_bytes
 
@@ -193,6 +212,32 @@ def tables(p):
         "minimal grad ms | fwd + grad speed-up | grad temp MiB ours / minimal",
         rows,
     )
+    if "split" in p:
+        T, r = p["split"]["T"], p["split"]["runs"]
+        out += [
+            "",
+            f"A `Mamba2` layer (16 features, heads of 16, 16 states), T = {T}: one "
+            "device against the sequence split over two CPU devices "
+            "(`ShardedScan` in `shard_map`, inputs already split); memory per device "
+            "(arguments, outputs, temporaries).",
+            "",
+        ]
+        rows = [
+            [
+                what,
+                ms(r[what]["one device"]["median_ms"]),
+                ms(r[what]["sharded"]["median_ms"]),
+                times(r[what]["speed_up"]),
+                f"{r[what]['mib_per_device']['one device']:.0f}",
+                f"{r[what]['mib_per_device']['sharded']:.0f}",
+            ]
+            for what in ("forward", "grad")
+        ]
+        out += table(
+            "program | one device ms | two devices ms | speed-up | MiB/device, one "
+            "| MiB/device, two",
+            rows,
+        )
     return out
 
 
@@ -208,10 +253,14 @@ def headline(p):
         for by_chunk in p["scan"]["runs"].values()
         for r in by_chunk.values()
     ]
-    return (
+    line = (
         f"Mamba2 vs Mamba at equal state, forward + gradient: {span(layer)}; "
         f"`ssd_scan` vs the minimal SSD: {span(anchor)} (speed-up)"
     )
+    if "split" in p:
+        r = p["split"]["runs"]["grad"]
+        line += f"; `Mamba2` gradient split over two devices: {times(r['speed_up'])}"
+    return line
 
 
 REPORTS = {"ssd": (headline, tables)}
@@ -276,6 +325,10 @@ def main():
             for Q in chunks
         }
         print(f"scan T={T} done", flush=True)
+    T = 8192 if args.quick else 100_000
+    title = f"Mamba2 (16 features), T = {T}, float32: 1 vs 2 devices"
+    split = compare(title, mamba2_split_programs(T), args.repeats)
+    payload["split"] = {"T": T, "runs": split}
     save(args.json, payload, REPORTS["ssd"])
 
 
