@@ -9,7 +9,7 @@ warm-up (compilation reported apart). Peak memory is XLA's buffer assignment of
 the compiled gradient (`memory_analysis().temp_size_in_bytes`); per device for the split run (arguments,
 outputs and temporaries, as `bench_sequence_parallel.py` reports them).
 
-    python benchmarks/bench_ssd.py            # about 15 minutes on 2 CPU cores
+    python benchmarks/bench_ssd.py            # about 6 minutes on 2 CPU cores
     python benchmarks/bench_ssd.py --quick    # T = 1k and 4k, for a smoke test
 """
 

@@ -1,4 +1,5 @@
-"""Selective copying (Gu & Dao 2023, appendix E.1): Mamba remembers, S5 cannot choose.
+"""Selective copying (Gu & Dao 2023, appendix E.1): Mamba and Mamba-2 remember, S5
+cannot choose.
 
 A context of L tokens holds 16 data tokens at random positions, blanks elsewhere;
 at the 16 markers that follow, a causal model must output the data tokens in
@@ -34,10 +35,10 @@ import eqx_seq
 
 NUM_DATA, VOCAB = 16, 16  # data tokens per sequence and data symbols: the paper's
 BLANK, MARKER = VOCAB, VOCAB + 1  # ids 0..15 are data; two more ids
-MIXERS = ("s5", "lru", "rglru", "mamba")
+MIXERS = ("s5", "lru", "rglru", "mamba", "mamba2")
 parser = argparse.ArgumentParser(description=__doc__)
 parser.add_argument(
-    "--mixers", default="mamba,rglru,s5", help=f"a comma list of {MIXERS}"
+    "--mixers", default="mamba,mamba2,rglru,s5", help=f"a comma list of {MIXERS}"
 )
 parser.add_argument("--length", type=int, default=64, help="the context L to train at")
 parser.add_argument(
@@ -98,6 +99,19 @@ def make_model(mixer, key):
         blocks = tuple(
             eqx_seq.MambaBlock(
                 eqx_seq.Mamba(WIDTH, state_size=STATE_SIZE, chunk_size=16, key=k),
+                norm="layer",
+            )
+            for k in jr.split(jr.fold_in(key, 1), DEPTH)
+        )
+        model = eqx.tree_at(lambda m: m.blocks, model, blocks)
+    if mixer == "mamba2":
+        # heads of 16 channels (4 at this width) and chunks of 16 steps, which suit
+        # short sequences on a CPU
+        blocks = tuple(
+            eqx_seq.Mamba2Block(
+                eqx_seq.Mamba2(
+                    WIDTH, state_size=STATE_SIZE, head_dim=16, chunk_size=16, key=k
+                ),
                 norm="layer",
             )
             for k in jr.split(jr.fold_in(key, 1), DEPTH)

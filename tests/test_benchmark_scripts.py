@@ -28,7 +28,11 @@ EXPECTED = {
         "check: ours, associative = plain RG-LRU (lax.scan)",
     ],
     "sequence_parallel": ["linear_recurrence", "Mamba", "Kalman log-likelihood"],
-    "ssd": ["Mamba2 vs Mamba at equal state", "`ssd_scan` against the minimal SSD"],
+    "ssd": [
+        "Mamba2 vs Mamba at equal state",
+        "`ssd_scan` against the minimal SSD",
+        "one device against the sequence split over two CPU devices",
+    ],
 }
 
 

@@ -117,7 +117,7 @@ def test_selective_copying_example(tmp_path):
     out = run_script(
         "examples/selective_copying.py",
         "--mixers",
-        "mamba,s5",
+        "mamba,mamba2,s5",
         "--length",
         "20",
         "--eval-lengths",
@@ -127,7 +127,8 @@ def test_selective_copying_example(tmp_path):
         "--out",
         str(tmp_path),
     )
-    for row in ("| mamba | 20 | 20 |", "| mamba | 20 | 24 |", "| s5 | 20 | 20 |"):
+    rows = ("| mamba | 20 | 20 |", "| mamba | 20 | 24 |", "| mamba2 | 20 | 20 |")
+    for row in (*rows, "| s5 | 20 | 20 |"):
         assert row in out
     assert "| paper: Mamba | 4096 | 4096 | 0.998 |" in out
     assert (tmp_path / "selective_copying.png").exists()
@@ -189,6 +190,34 @@ def test_parity_negative_decays_reach_the_goal(tmp_path):
     }
     assert rows["mamba, decays (-1, 1)"] >= 0.9
     assert rows["mamba, decays [0, 1]"] <= 0.75
+
+
+def test_mqar_example(tmp_path):
+    out = run_script(
+        "examples/mqar.py",
+        "--mixers",
+        "mamba2,s5",
+        "--learning-rates",
+        "1e-3,1e-2",
+        "--steps",
+        "2",
+        "--out",
+        str(tmp_path),
+    )
+    rows = [
+        line for line in out.splitlines() if line.startswith(("| mamba2 |", "| s5 |"))
+    ]
+    assert len(rows) == 2
+    # each row: the best rate's accuracy per slice, and the sweep
+    for row in rows:
+        assert row.count("(rate ") == 2 and "T=64: " in row and "T=128: " in row
+    assert (tmp_path / "mqar.png").exists()
+
+
+def test_mqar_rejects_bad_settings(tmp_path):
+    for bad in (["--mixers", "gru"], ["--learning-rates", "-1"]):
+        with pytest.raises(AssertionError, match="error"):
+            run_script("examples/mqar.py", *bad, "--out", str(tmp_path))
 
 
 @pytest.mark.parametrize(
