@@ -15,6 +15,10 @@ from ._models import (
     LanguageModel as LanguageModel,
     SequenceClassifier as SequenceClassifier,
 )
+from ._nonlinear import (
+    NonlinearKalmanFilter as NonlinearKalmanFilter,
+    NonlinearSmootherResult as NonlinearSmootherResult,
+)
 from ._recurrence import (
     linear_recurrence as linear_recurrence,
     recurrence_jacobians as recurrence_jacobians,
