@@ -25,10 +25,10 @@ import jax.lax as lax
 import jax.numpy as jnp
 from jaxtyping import Array
 
-from .._kalman._dispatch import smooth as smooth_linear
+from .._kalman._dispatch import smooth_problem
 from .._kalman._interface import KalmanSmootherResult, splits_time
 from .._kalman._linalg import cholesky, gram, jittered, mT, sym, tria
-from .._kalman._model import Model, per_step
+from .._kalman._model import Model, per_step, prepare
 from .._kalman._sharded import smooth_sharded
 from .._kalman._smoother import element
 from .._misc import full_precision
@@ -116,7 +116,9 @@ def smooth_once(
     if splits_time(scan):
         result = smooth_sharded(linear, ys, offsets, scan)
     else:
-        result = smooth_linear(linear, ys, offsets, scan)
+        # whitened per step whatever the data (one program, not a `lax.cond` of
+        # two): the sigma-point linearisations make `R` vary with time anyway
+        result = smooth_problem(prepare(linear, ys, offsets, "missing"), scan)
     # the smoothed x_0 (prior_at="x0"): one more backward step, from x_1's
     if model.prior_at == "x0":
         A1 = linear.F[0]

@@ -106,7 +106,7 @@ class NonlinearKalmanFilter(eqx.Module):
         model = eqx_seq.NonlinearKalmanFilter(
             f, h, Q=q, R=0.1 * jnp.eye(1), m0=jnp.array([1.5, 0.0]), P0=0.1 * jnp.eye(2)
         )
-        states, ys = model.sample(jr.key(0), 500)
+        states, ys = model.sample(jr.key(0), 200)
         filtered = model.filter(ys, method="cubature")      # .means, .log_likelihood
         smoothed = model.smooth(ys, iterated=True)          # the IEKS
         grads = eqx.filter_grad(lambda m: -m.log_likelihood(ys))(model)

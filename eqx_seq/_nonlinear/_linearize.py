@@ -88,7 +88,7 @@ def sigma_points(method: Method, n: int, unscented: Unscented) -> SigmaPoints:
 def linearize(
     g: Callable[[Array], Array],
     m: Array,
-    L: Array,
+    L: Array | None,
     points: SigmaPoints | None,
 ) -> tuple[Array, Array, Array | None]:
     """`(A, b, L_Lam)`: `g(x) ~ A x + b + e` about `N(m, L L^T)`, `e ~ N(0, L_Lam
