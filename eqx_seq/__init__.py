@@ -4,6 +4,7 @@ import importlib.metadata
 
 from ._embedding import Embedding as Embedding
 from ._kalman import (
+    discretize as discretize,
     KalmanFilter as KalmanFilter,
     KalmanFilterResult as KalmanFilterResult,
     KalmanForecastResult as KalmanForecastResult,

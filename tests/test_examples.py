@@ -113,6 +113,20 @@ def test_kalman_nile_example(tmp_path):
     assert (tmp_path / "nile.png").exists()
 
 
+def test_kalman_irregular_example(tmp_path):
+    out = run_script(
+        "examples/kalman_irregular.py",
+        "--steps",
+        "3",
+        "--num-obs",
+        "40",
+        "--out",
+        str(tmp_path),
+    )
+    assert "negative log-likelihood" in out and "fitted: omega = " in out
+    assert (tmp_path / "kalman_irregular.png").exists()
+
+
 def test_selective_copying_example(tmp_path):
     out = run_script(
         "examples/selective_copying.py",

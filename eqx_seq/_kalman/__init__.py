@@ -5,6 +5,7 @@ Each file imports only files below it: `_layer` (the layer) -> `_em`, `_fisher`,
 `_parallel` -> `_diffuse` -> `_filter` -> `_model` -> `_linalg`.
 """
 
+from ._continuous import discretize as discretize
 from ._interface import (
     KalmanFilterResult as KalmanFilterResult,
     KalmanForecastResult as KalmanForecastResult,

@@ -6,10 +6,11 @@ from typing import Any
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, ArrayLike, Float, PRNGKeyArray
+from jaxtyping import Array, ArrayLike, Float, PRNGKeyArray, Real
 
 from .._misc import check_parameter_dtype, check_positive_int
 from .._scan import AbstractScan, AutoScan
+from ._continuous import continuous_matrices, model_dtype
 from ._dispatch import backend, filter_, smooth
 from ._em import check_fit_em, fit_em, from_filter_spec
 from ._fisher import fisher_log_likelihood
@@ -246,6 +247,103 @@ class KalmanFilter(eqx.Module):
             key=None,
             _parameters=params,
         )
+
+    @classmethod
+    def from_continuous(
+        cls,
+        A: Float[ArrayLike, "n n"],
+        H: Float[ArrayLike, "p n"] | Float[ArrayLike, "T p n"],
+        Qc: Float[ArrayLike, "s s"],
+        R: Float[ArrayLike, "p p"] | Float[ArrayLike, "T p p"],
+        m0: Float[ArrayLike, " n"],
+        P0: Float[ArrayLike, "n n"],
+        times: Real[ArrayLike, " T"],
+        *,
+        L: Float[ArrayLike, "n s"] | None = None,
+        prior_time: Real[ArrayLike, ""] | None = None,
+        prior_at: PriorAt = "x1",
+        initialization: Initialization = "known",
+        scan: AbstractScan = AutoScan(),
+        dtype: Any = None,
+    ) -> "KalmanFilter":
+        r"""A Kalman filter for a continuous-time model observed at given times.
+
+        The state follows the linear stochastic differential equation
+        $dx = A x\, dt + L\, d\beta$, $\beta$ a Brownian motion of diffusion `Qc`,
+        and is observed at `times` $t_1 < \dots < t_T$, which may be unevenly
+        spaced: $y_k = H x(t_k) + r_k$, $r_k \sim N(0, R)$. Between two times the
+        model is discretised exactly ([`eqx_seq.discretize`][]): step `k` has
+        $F_k = e^{A \Delta t_k}$ and
+        $Q_k = \int_0^{\Delta t_k} e^{A s} L Q_c L^\top e^{A^\top s} ds$,
+        $\Delta t_k = t_k - t_{k-1}$. The result is an ordinary time-varying
+        filter (`F` and `Q` with a time axis of length `T`), differentiable with
+        respect to `A`, `Qc` and `L` through the discretisation.
+
+        **Forecasts at future times**: put them in `times`, with all-NaN rows of
+        `ys` there. A step with no observation is a prediction only, so its
+        filtered moments are the exact forecast of `x(t)` given the observations
+        before it (and the smoother's, given all of them).
+
+        **Arguments:**
+
+        - `A`: the drift matrix, `(n, n)`.
+        - `H`: the emission matrix, `(p, n)` or `(T, p, n)`.
+        - `Qc`: the diffusion of the noise `β`, `(s, s)`, symmetric positive
+            semi-definite.
+        - `R`: the observation noise covariance, `(p, p)` or `(T, p, p)`,
+            symmetric positive definite.
+        - `m0`, `P0`: mean and covariance of `x(times[0])` (`prior_at="x1"`), or of
+            `x(prior_time)` (`prior_at="x0"`).
+        - `times`: the observation times, `(T,)`, finite and strictly increasing.
+            The gaps are taken in the times' own dtype before the cast to the
+            model's, so absolute times (seconds since 1970, say) keep their
+            precision when given as a float64 NumPy array.
+        - `L`: the noise's loading, `(n, s)`; default the identity (`s = n`).
+        - `prior_time`: with `prior_at="x0"`, the time of the state the prior
+            describes, before `times[0]`: the first step then runs from it.
+        - `prior_at`: `"x1"` (default: the prior is the law of the first observed
+            state, and the first rows of `F` and `Q`, which belong to no interval,
+            hold the placeholders `I` and `I`, read by no algorithm) or `"x0"`
+            (with `prior_time`).
+        - `initialization`: `"known"` or `"diffuse"` (as in `__init__`; a
+            time-varying model has no `"stationary"` prior).
+        - `scan`: the backend, see the class docstring.
+        - `dtype`: the parameters' dtype; default: the common dtype of the model's
+            inputs (`times` excluded), floating.
+
+        **Returns:**
+
+        A time-varying [`eqx_seq.KalmanFilter`][] of `num_steps = T` steps: its
+        `filter`, `smooth`, `log_likelihood`, `sample` and `posterior_sample` run
+        on `T` observations. `fit_em` needs `F` and `Q` held
+        (`fixed={"F": True, "Q": True}`) and fits `H`, `R`, `m0` and `P0` around
+        them (at present with `H` given per step and held too: a time-invariant
+        `H` beside the time-varying `F` fails in the E-step); `A`, `Qc` and `L`
+        are fitted by gradients of the log-likelihood of a function that builds
+        the filter (`docs/usage/kalman.md`, "Irregular time steps").
+
+        **Raises:**
+
+        `ValueError` for inconsistent shapes, `times` that are not finite and
+        strictly increasing (repeated times would give `Q = 0`, which is not
+        positive definite: merge their observations into one row instead), or a
+        `prior_time` missing with `prior_at="x0"`, not before `times[0]`, or given
+        with `"x1"`; for traced `times` (under `jax.jit`) the time checks run at
+        run time (`eqx.error_if`), as does the check that `R`, `P0` and every
+        `Q_k` are symmetric positive definite. `Q_k` is when `(A, L Qc^{1/2})` is
+        controllable (noise reaches every state) and the step is not so short
+        that `Q_k` is singular to round-off (in float32, steps far shorter than
+        the model's time scales can be).
+        """
+        check_sharded(scan, initialization)
+        check_options(prior_at, initialization, True)
+        model = {"A": A, "H": H, "Qc": Qc, "R": R, "m0": m0, "P0": P0, "L": L}
+        dtype = model_dtype(model, dtype, "eqx_seq.KalmanFilter.from_continuous")
+        F, Q = continuous_matrices(A, Qc, times, L, prior_time, prior_at, dtype)
+        return cls.from_matrices(
+            F, H, Q, R, m0, P0, scan=scan, prior_at=prior_at,
+            initialization=initialization, dtype=dtype,
+        )  # fmt: skip
 
     def _params(self) -> Parameters:
         """The parameters, without the options."""
