@@ -387,7 +387,7 @@ def test_user_backends_missing_what_the_filter_needs(getkey):
 # The files of `eqx_seq/_kalman/`, top down: each imports only files below it.
 KALMAN_LAYERS = [
     ["_layer"],
-    ["_em", "_fisher", "_predictive", "_sharded"],
+    ["_em", "_fisher", "_predictive", "_sharded", "_continuous"],
     ["_m_step"],
     ["_e_step"],
     ["_dispatch"],

@@ -194,17 +194,27 @@ def test_em_and_sampling_on_a_continuous_model(getkey):
         kf.fit_em(ys, num_iters=1)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="_e_step.sequence_moments: with F time-varying and H not, the emission's "
-    "Cov[y_t] stays per step while its regressor's covariance is summed",
-)
 def test_em_with_a_time_invariant_emission():
+    """EM with `F`, `Q` held per step and one `H`: the same iterates as with `H`
+    given per step and held (a time-varying `F` once made the emission's moments
+    per step while their regressor's were summed)."""
     times, ys = irregular_data()
-    kf = eqx_seq.KalmanFilter.from_continuous(
-        A_OSC, H_OSC, QC_OSC, R_OSC, np.zeros(2), np.eye(2), times, L=L_OSC
+    T = len(times)
+    ys = np.nan_to_num(ys)
+    build = lambda H: eqx_seq.KalmanFilter.from_continuous(
+        A_OSC, H, QC_OSC, R_OSC, np.zeros(2), np.eye(2), times, L=L_OSC
     )
-    kf.fit_em(np.nan_to_num(ys), num_iters=1, fixed={"F": True, "Q": True})
+    one, _ = build(H_OSC).fit_em(
+        ys, num_iters=2, fixed={"F": True, "Q": True, "H": True}
+    )
+    per_step, _ = build(np.broadcast_to(H_OSC, (T, 1, 2))).fit_em(
+        ys, num_iters=2, fixed={"F": True, "Q": True, "H": True}
+    )
+    np.testing.assert_allclose(one.R, per_step.R, rtol=1e-10)
+    np.testing.assert_allclose(one.m0, per_step.m0, rtol=1e-10, atol=1e-12)
+    fitted, lls = build(H_OSC).fit_em(ys, num_iters=3, fixed={"F": True, "Q": True})
+    assert np.all(np.diff(np.asarray(lls)) >= -1e-9)
+    assert fitted.H.shape == (1, 2) and not np.allclose(fitted.H, H_OSC)
 
 
 @pytest.mark.usefixtures("unchecked_annotations")

@@ -278,6 +278,8 @@ def sequence_moments(
     per_step_x, per_step_y = model.F.ndim == 3, model.H.ndim == 3
     per_step = per_step_x or per_step_y
     sm, (my, Vyy, Vyx) = _smoothed(model, ys, us, scan, per_step)
+    if per_step and not per_step_y:  # one emission regression: summed moments
+        Vyy, Vyx = jnp.sum(Vyy, axis=0), jnp.sum(Vyx, axis=0)
     T, n = sm.means.shape
     c = 0 if us is None else us.shape[1]
     k = n + c
