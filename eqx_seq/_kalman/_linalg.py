@@ -364,10 +364,11 @@ def sqrt_update(
     update. Returns the filtered mean and factor, the whitened innovations
     `nu_j = e_j / sqrt(s_j)` and the log innovation variances `log s_j`.
     """
-    n, p = FL.shape[-1], Hw.shape[-2]
+    n, p = FL.shape[0], Hw.shape[-2]
+    k = FL.shape[1] + L_Q.shape[1]  # any number of columns: any factors
     dtype = FL.dtype
     L = jnp.concatenate([FL, L_Q, jnp.zeros((n, p), dtype)], axis=1)
-    noise = jnp.eye(2 * n + p, dtype=dtype)[2 * n :]
+    noise = jnp.eye(k + p, dtype=dtype)[k:]
     m = m_pred
     nus, log_ss = [], []
     for j in range(p):

@@ -4,11 +4,12 @@ smoothers: extended (Taylor) and sigma-point (cubature, unscented), square-root.
 Each filter step linearises the transition about the previous filtered
 distribution and the observation about the predicted one (`_linearize`), then runs
 the linear square-root step of `_kalman` on the linearised model: the prediction's
-factor is `[A L, tria([L_Q, L_Lam])]` and the update is `_kalman._linalg.sqrt_update`
-on observations whitened by a factor of `R + Omega` (the observation's regression
-residuals included). The smoother is the linear Rauch-Tung-Striebel smoother of
-`_kalman._smoother` on the transitions the filter linearised (Sarkka, *Bayesian
-Filtering and Smoothing*, 2013, the extended and the sigma-point RTS smoothers).
+factor is `[A L, L_Q, S_Lam]` (`S_Lam` the transition's regression residuals), and
+the update is `_kalman._linalg.sqrt_update` on observations whitened by a factor
+of `R + Omega` (the observation's regression residuals included). The smoother is
+the linear Rauch-Tung-Striebel smoother of `_kalman._smoother` on the transitions
+the filter linearised (Sarkka, *Bayesian Filtering and Smoothing*, 2013: the
+extended and the sigma-point RTS smoothers).
 """
 
 from collections.abc import Callable
@@ -21,11 +22,16 @@ import jax.random as jr
 from jaxtyping import Array, PRNGKeyArray
 
 from .._kalman._interface import filter_result, KalmanFilterResult
-from .._kalman._linalg import gram, mv, sqrt_update, tria, whitened_log_density
+from .._kalman._linalg import gram, mm, mv, sqrt_update, tria, whitened_log_density
 from .._kalman._model import _whiten, Model, per_step, PriorAt
 from .._kalman._smoother import smooth_sequential
 from .._misc import full_precision
 from ._linearize import linearize, SigmaPoints
+
+
+# Unrolled triangularisations in the filter's step: at the state sizes of these
+# models, a loop over the rows costs more per step than the larger program
+_LOOP = False
 
 
 class NonlinearModel(eqx.Module):
@@ -77,20 +83,21 @@ def observe(
     L_Q: Array,
     x: dict,
 ):
-    """Condition the prediction `N(m_pred, FL FL^T + L_Q L_Q^T)` on step `x`'s
-    observation through the observation's linearisation about it: the filtered
-    mean and factor and the log-density of the observed entries."""
-    # the Taylor expansion reads the predicted mean only
-    L_pred = None if points is None else tria(jnp.concatenate([FL, L_Q], axis=1))
-    H, d, L_om = linearize(at(model.h, x.get("u")), m_pred, L_pred, points)
+    """Condition the prediction `N(m_pred, FL FL^T + L_Q L_Q^T)` (any factors) on
+    step `x`'s observation through the observation's linearisation about it: the
+    filtered mean and factor and the log-density of the observed entries."""
+    if points is not None:  # the sigma points need a square factor
+        FL = tria(jnp.concatenate([FL, L_Q], axis=1))
+        L_Q = jnp.zeros((FL.shape[0], 0), FL.dtype)
+    H, d, S_om = linearize(at(model.h, x.get("u")), m_pred, FL, points)
     L_R = x.get("L_R", model.L_R)
-    if L_om is not None:
-        L_R = tria(jnp.concatenate([L_R, L_om], axis=1))
+    if S_om is not None:
+        L_R = tria(jnp.concatenate([L_R, S_om], axis=1))
     obs = x["obs"]
     W, logdet = _whiten(L_R[None], obs[None], True)
     W, logdet = W[0], logdet[0]
     yw = mv(W, jnp.where(obs, x["y"] - d, 0))
-    m, L, nu, log_s = sqrt_update(m_pred, FL, L_Q, W @ H, yw, loop=True)
+    m, L, nu, log_s = sqrt_update(m_pred, FL, L_Q, mm(W, H), yw, loop=_LOOP)
     return m, L, whitened_log_density(nu, log_s, obs) - logdet
 
 
@@ -98,13 +105,14 @@ def predict(
     model: NonlinearModel, points: SigmaPoints | None, m: Array, L: Array, x: dict
 ):
     """The transition's linearisation about `N(m, L L^T)` and the prediction:
-    `(m_pred, A L, L_Qt, A)`, with `L_Qt` a factor of `Q + Lam` (the predicted
-    covariance is `A L L^T A^T + L_Qt L_Qt^T`)."""
-    A, b, L_lam = linearize(at(model.f, x.get("u")), m, L, points)
+    `(m_pred, A L, S_Q, A)`, with `S_Q` a factor of `Q + Lam` (`[L_Q, S_Lam]`, not
+    square with sigma points), so that the predicted covariance is
+    `A L L^T A^T + S_Q S_Q^T`."""
+    A, b, S_lam = linearize(at(model.f, x.get("u")), m, L, points)
     L_Q = x.get("L_Q", model.L_Q)
-    if L_lam is not None:
-        L_Q = tria(jnp.concatenate([L_Q, L_lam], axis=1))
-    return A @ m + b, A @ L, L_Q, A
+    if S_lam is not None:
+        L_Q = jnp.concatenate([L_Q, S_lam], axis=1)
+    return mv(A, m) + b, mm(A, L), L_Q, A
 
 
 @full_precision
@@ -121,20 +129,23 @@ def filter_nonlinear(
 
     def step(carry, x):
         m, L = carry
-        m_pred, FL, L_Qt, A = predict(model, points, m, L, x)
-        FL_step, L_Q_step = FL, L_Qt
+        m_pred, FL, S_Q, A = predict(model, points, m, L, x)
+        FL_step, S_Q_step = FL, S_Q
         if "first" in x:  # prior_at="x1": the carry into step 1 is the prior of x_1
             m_pred = jnp.where(x["first"], m, m_pred)
             FL_step = jnp.where(x["first"], L, FL)
-            L_Q_step = jnp.where(x["first"], 0, L_Qt)
-        m, L, ll = observe(model, points, m_pred, FL_step, L_Q_step, x)
-        P_pred = gram(FL_step) + gram(L_Q_step)
-        return (m, L), (m, L, m_pred, P_pred, ll, A, L_Qt)
+            S_Q_step = jnp.where(x["first"], 0, S_Q)
+        m, L, ll = observe(model, points, m_pred, FL_step, S_Q_step, x)
+        P_pred = gram(FL_step) + gram(S_Q_step)
+        out = (m, L, m_pred, P_pred, ll, A)
+        # the smoother's noise per step: with sigma points, the regression's too
+        return (m, L), out + ((S_Q,) if points is not None else ())
 
     # rematerialised in the backward pass, as the linear filter's loop
     init = (model.m0, model.L_P0)
-    _, (ms, Ls, mps, Pps, lls, As, L_Qs) = lax.scan(jax.checkpoint(step), init, xs)
+    _, (ms, Ls, mps, Pps, lls, As, *S_Qs) = lax.scan(jax.checkpoint(step), init, xs)
     result = filter_result(ms, gram(Ls), mps, Pps, lls, jnp.zeros_like(lls))
+    L_Qs = tria(S_Qs[0]) if S_Qs else model.L_Q
     return result, Ls, As, L_Qs
 
 

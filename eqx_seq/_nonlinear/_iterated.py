@@ -69,17 +69,17 @@ def linearized(
     u_axis = None if us is None else 0
 
     def one(m_prev, L_prev, m, L, u):
-        A, b, L_lam = linearize(at(model.f, u), m_prev, L_prev, points)
-        H, d, L_om = linearize(at(model.h, u), m, L, points)
-        return A, b, L_lam, H, d, L_om
+        A, b, S_lam = linearize(at(model.f, u), m_prev, L_prev, points)
+        H, d, S_om = linearize(at(model.h, u), m, L, points)
+        return A, b, S_lam, H, d, S_om
 
-    A, b, L_lam, H, d, L_om = jax.vmap(one, in_axes=(0, 0, 0, 0, u_axis))(
+    A, b, S_lam, H, d, S_om = jax.vmap(one, in_axes=(0, 0, 0, 0, u_axis))(
         prev, L_prev, means, L_here, us
     )
     L_Q, L_R = model.L_Q, model.L_R
-    if L_lam is not None:  # sigma points: the regression residuals are noise
-        L_Q = _with_residuals(L_Q, L_lam)
-        L_R = _with_residuals(L_R, L_om)
+    if S_lam is not None:  # sigma points: the regression residuals are noise
+        L_Q = _with_residuals(L_Q, S_lam)
+        L_R = _with_residuals(L_R, S_om)
     eye_n, eye_p = jnp.eye(n, dtype=dtype), jnp.eye(p, dtype=dtype)
     linear = Model(
         F=A,
@@ -96,10 +96,10 @@ def linearized(
     return linear, jnp.concatenate([b, d], axis=1)
 
 
-def _with_residuals(L: Array, L_res: Array) -> Array:
-    """Per-step factors of `L L^T + L_res L_res^T`."""
-    L = jnp.broadcast_to(L, L_res.shape) if not per_step(L, 2) else L
-    return tria(jnp.concatenate([L, L_res], axis=-1))
+def _with_residuals(L: Array, S: Array) -> Array:
+    """Per-step square factors of `L L^T + S S^T`."""
+    L = jnp.broadcast_to(L, (S.shape[0], *L.shape[-2:])) if not per_step(L, 2) else L
+    return tria(jnp.concatenate([L, S], axis=-1))
 
 
 def smooth_once(

@@ -9,7 +9,6 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike, Bool, Float, Int, PRNGKeyArray
 
-from .._kalman._dispatch import backend
 from .._kalman._interface import (
     KalmanFilterResult,
     KalmanSmootherResult,
@@ -18,7 +17,7 @@ from .._kalman._interface import (
 from .._kalman._linalg import factor, gram
 from .._kalman._model import _checked_raw_factor, PriorAt
 from .._misc import check_parameter_dtype, check_positive_int, check_real
-from .._scan import AbstractScan, AutoScan
+from .._scan import AbstractScan, AutoScan, check_scan
 from ._filter import (
     filter_nonlinear,
     NonlinearModel,
@@ -49,6 +48,14 @@ class NonlinearSmootherResult(eqx.Module):
     filtered: KalmanFilterResult
     num_iterations: Int[Array, ""]
     converged: Bool[Array, ""]
+
+
+def _backend(scan: Any) -> AbstractScan:
+    """The backend that runs (`AutoScan` resolved), after checking it."""
+    return check_scan(
+        scan, name="eqx_seq.NonlinearKalmanFilter", pytree_scan=True,
+        splits_time=True,
+    )  # fmt: skip
 
 
 def _spd_raw(name: str, A: Any, shape: tuple[int, ...], dtype) -> Array:
@@ -184,7 +191,7 @@ class NonlinearKalmanFilter(eqx.Module):
                 'eqx_seq.NonlinearKalmanFilter: `prior_at` must be "x0" or "x1", '
                 f"got {prior_at!r}."
             )
-        backend(scan, caller="", splits_time=True)
+        _backend(scan)
         arrays = [jnp.asarray(a) for a in (Q, R, m0, P0)]
         if dtype is None:
             common = jnp.result_type(*[a.dtype for a in arrays])
@@ -555,7 +562,7 @@ def _smooth_jit(nkf, ys, us, points) -> NonlinearSmootherResult:
 @eqx.filter_jit
 def _iterated_jit(nkf, ys, us, points, init, tol, max_iter) -> NonlinearSmootherResult:
     model = nkf._model()
-    scan = backend(nkf.scan, splits_time=True)
+    scan = _backend(nkf.scan)
     if init is None and splits_time(scan):
         T = ys.shape[0]
         P0 = gram(model.L_P0)

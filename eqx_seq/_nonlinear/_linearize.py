@@ -23,11 +23,10 @@ from typing import Literal, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import jax.scipy.linalg as jsl
 import numpy as np
 from jaxtyping import Array
 
-from .._kalman._linalg import tria
+from .._kalman._linalg import mm, mv, tril_inverse_by_rows
 
 
 Method = Literal["extended", "cubature", "unscented"]
@@ -91,25 +90,27 @@ def linearize(
     L: Array | None,
     points: SigmaPoints | None,
 ) -> tuple[Array, Array, Array | None]:
-    """`(A, b, L_Lam)`: `g(x) ~ A x + b + e` about `N(m, L L^T)`, `e ~ N(0, L_Lam
-    L_Lam^T)`; `points` is `None` for the Taylor linearisation (`L` unused, `L_Lam`
-    is `None`), else the sigma-point rule."""
+    """`(A, b, S)`: `g(x) ~ A x + b + e` about `N(m, L L^T)`, `e ~ N(0, S S^T)`
+    with `S` the weighted residuals, a factor with a column per sigma point (`tria`
+    makes it square); `points` is `None` for the Taylor linearisation (`L` unused,
+    `S` is `None`), else the sigma-point rule."""
     if points is None:
         gm, A = _value_and_jacobian(g, m)
-        return A, gm - A @ m, None
+        return A, gm - mv(A, m), None
     xi = jnp.asarray(points.xi, m.dtype)
     w_mean = jnp.asarray(points.w_mean, m.dtype)
     w_cov = jnp.asarray(points.w_cov, m.dtype)
-    X = m + xi @ L.T
+    # products as broadcasts and sums (`mm`), which fuse in the filter's loop body
+    X = m + mm(xi, L.T)
     G = jax.vmap(g)(X)
-    g_bar = w_mean @ G
+    g_bar = jnp.sum(w_mean[:, None] * G, axis=0)
     Gc = G - g_bar
-    M = (Gc * w_cov[:, None]).T @ xi
-    # A = M L^{-1}: solve A L = M
-    A = jsl.solve_triangular(L, M.T, lower=True, trans=1).T
-    residuals = Gc - xi @ M.T
-    L_lam = tria((residuals * jnp.sqrt(w_cov)[:, None]).T)
-    return A, g_bar - A @ m, L_lam
+    M = mm((Gc * w_cov[:, None]).T, xi)
+    # A = M L^{-1}, by substitution in the step's own arithmetic (a LAPACK call per
+    # step of a loop costs more than the few products it replaces)
+    A = mm(M, tril_inverse_by_rows(L))
+    residuals = Gc - mm(xi, M.T)
+    return A, g_bar - mv(A, m), (residuals * jnp.sqrt(w_cov)[:, None]).T
 
 
 def _value_and_jacobian(g: Callable[[Array], Array], x: Array) -> tuple[Array, Array]:
