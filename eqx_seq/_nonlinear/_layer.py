@@ -16,7 +16,12 @@ from .._kalman._interface import (
 )
 from .._kalman._linalg import factor, gram
 from .._kalman._model import _checked_raw_factor, PriorAt
-from .._misc import check_parameter_dtype, check_positive_int, check_real
+from .._misc import (
+    check_parameter_dtype,
+    check_positive_int,
+    check_real,
+    vary_like,
+)
 from .._scan import AbstractScan, AutoScan, check_scan
 from ._filter import (
     filter_nonlinear,
@@ -578,6 +583,9 @@ def _iterated_jit(nkf, ys, us, points, init, tol, max_iter) -> NonlinearSmoother
     if points is not None:
         traj["covs"] = covs
         traj["first_cov"] = gram(model.L_P0)
+    # the fixed point varies over a mesh as the data does (under `jax.shard_map`),
+    # the prior's `first_mean` included, so that the loops' carries keep one type
+    traj = jax.tree.map(lambda a: vary_like(a, ys), traj)
     result, k, done = smooth_iterated(model, ys, us, traj, points, scan, tol, max_iter)
     return _as_result(result, k, done)
 

@@ -27,6 +27,7 @@ import numpy as np
 from jaxtyping import Array
 
 from .._kalman._linalg import mm, mv, tril_inverse_by_rows
+from .._misc import vary_like
 
 
 Method = Literal["extended", "cubature", "unscented"]
@@ -115,6 +116,7 @@ def linearize(
 
 def _value_and_jacobian(g: Callable[[Array], Array], x: Array) -> tuple[Array, Array]:
     """`g(x)` and its Jacobian in one forward-mode pass."""
-    eye = jnp.eye(x.shape[0], dtype=x.dtype)
+    # the tangents vary over a mesh as `x` does (under `jax.shard_map`)
+    eye = vary_like(jnp.eye(x.shape[0], dtype=x.dtype), x)
     gx, jvp = jax.linearize(g, x)
     return gx, jax.vmap(jvp, out_axes=1)(eye)
