@@ -45,10 +45,31 @@ iteration, which gives the last log-likelihood). The trace check compares the
 log-likelihoods: our entry i (after iteration i + 1) is dynamax's entry i + 1
 (before its iteration i + 2).
 
+With `--cuthbert`, instead: ours against cuthbert's (state-space-models/cuthbert)
+square-root Kalman filter and smoother (`cuthbert.gaussian.kalman`, called as its
+docs do: `build_filter` / `build_smoother`, then `cuthbert.filter` /
+`cuthbert.smoother`), float32, one sequence, state 4 / obs 2 and 16 / 8, T in
+{1k, 10k} (cuthbert's sequential filter takes seconds a call at 100k), complete
+data and 10% of the entries missing (NaN, which both skip): our sequential backend against cuthbert's `parallel=False`, our parallel
+backend against its `parallel=True` (`lax.associative_scan`; in a subprocess
+with a timeout, `--cuthbert-timeout`). "filter": the filter's whole
+result; "smoother": the smoothed means (filter included). Both take the prior on
+x_0, the state before the first observation (ours: `prior_at="x0"`). Every program
+is compiled first (`lower().compile()`, timed: the compile columns), then the
+compiled programs are timed interleaved. Before timing, a subprocess in float64
+(`JAX_ENABLE_X64=1`) checks that both give the same filtered means and covariances,
+log-likelihood and smoothed means and covariances (T = 1k, each backend pair, both
+data); the run stops if they differ by more than 1e-9. Results in
+`results/<machine>/kalman_cuthbert.json`. cuthbert's parallel programs make batched
+LAPACK calls (QR, triangular solves): on 2 cores run with
+`XLA_FLAGS=--xla_cpu_enable_concurrency_optimized_scheduler=false` (docs/faq.md, the
+LAPACK deadlock); its float64 check of state 16 hung there without it.
+
     python benchmarks/bench_kalman.py            # a few minutes
     python benchmarks/bench_kalman.py --quick    # T=1k only, one size: a smoke test
     python benchmarks/bench_kalman.py --extras   # forecasts and posterior samples
     python benchmarks/bench_kalman.py --em       # EM vs dynamax, a few minutes
+    python benchmarks/bench_kalman.py --cuthbert # vs cuthbert, 10-30 minutes
 """
 
 import argparse
@@ -320,6 +341,205 @@ def em_main(args, info):
     save(args.em_json, payload, REPORTS["kalman_em"])
 
 
+# --- against cuthbert (--cuthbert) ---------------------------------------------------
+# cuthbert (optional, the `benchmarks` extra) is imported by the functions that use it,
+# for the same reason as dynamax
+CUTHBERT_TOL = 1e-9  # the float64 check: means, covariances, relative log-likelihood
+MISSING = {"complete": 0.0, "10% missing": 0.1}
+
+
+def cuthbert_params(kf):
+    """cuthbert's parameters of our model: the prior on x_0 (as ours, with
+    `prior_at="x0"`) and generalized Cholesky factors of the covariances."""
+    chol = jnp.linalg.cholesky
+    return kf.m0, chol(kf.P0), kf.F, chol(kf.Q), kf.H, chol(kf.R)
+
+
+def cuthbert_filter(params, ys, parallel):
+    """cuthbert's Kalman filter, as its docs call it; the model inputs are the
+    observations (a jit argument, like ours, not a closed-over constant)."""
+    import cuthbert
+    from cuthbert.gaussian import kalman
+
+    m0, chol_P0, F, chol_Q, H, chol_R = params
+    c, d = jnp.zeros_like(m0), jnp.zeros(H.shape[0], H.dtype)
+    filt = kalman.build_filter(
+        m0, chol_P0, lambda _: (F, c, chol_Q), lambda y: (H, d, chol_R, y)
+    )
+    # T + 1 states: the first is the prior on x_0
+    return cuthbert.filter(filt, ys, filt.init_prepare(), parallel=parallel)
+
+
+def cuthbert_smoother(params, ys, parallel):
+    import cuthbert
+    from cuthbert.gaussian import kalman
+
+    _, _, F, chol_Q, _, _ = params
+    c = jnp.zeros(F.shape[0], F.dtype)
+    smoother = kalman.build_smoother(lambda _: (F, c, chol_Q))
+    states = cuthbert_filter(params, ys, parallel)
+    return cuthbert.smoother(smoother, states, parallel=parallel)
+
+
+def cuthbert_data(n, p, T, missing, parallel, dtype=None):
+    """Our model on one backend and its data, `missing` of the entries NaN (the
+    same model and data on both backends)."""
+    scan = eqx_seq.AssociativeScan() if parallel else eqx_seq.SequentialScan()
+    kf = eqx_seq.KalmanFilter(n, p, scan=scan, dtype=dtype, key=jr.key(0))
+    _, ys = kf.sample(jr.key(1), T)
+    holes = jr.uniform(jr.key(3), ys.shape) < missing
+    return kf, jnp.where(holes, jnp.nan, ys)
+
+
+def cuthbert_check_child(n, p, T):
+    """Run in a subprocess with JAX_ENABLE_X64=1: the largest differences, float64."""
+    assert jax.config.jax_enable_x64
+    gram = lambda L: L @ jnp.swapaxes(L, -1, -2)
+    out = {}
+    for data, missing in MISSING.items():
+        for parallel in (False, True):
+            kf, ys = cuthbert_data(n, p, T, missing, parallel, jnp.float64)
+            params = cuthbert_params(kf)
+            f, s = kf.filter(ys), kf.smooth(ys)
+            cf = jax.jit(cuthbert_filter, static_argnums=2)(params, ys, parallel)
+            cs = jax.jit(cuthbert_smoother, static_argnums=2)(params, ys, parallel)
+            ll = cf.log_normalizing_constant[-1]
+            diffs = {  # cuthbert's row 0 is x_0, before the first observation
+                "filtered means": jnp.abs(cf.mean[1:] - f.means).max(),
+                "filtered covs": jnp.abs(gram(cf.chol_cov[1:]) - f.covs).max(),
+                "log-likelihood (rel.)": jnp.abs(ll / f.log_likelihood - 1),
+                "smoothed means": jnp.abs(cs.mean[1:] - s.means).max(),
+                "smoothed covs": jnp.abs(gram(cs.chol_cov[1:]) - s.covs).max(),
+            }
+            pair = "par" if parallel else "seq"
+            out[f"{data}, {pair}"] = {k: float(v) for k, v in diffs.items()}
+            out[f"{data}, {pair}"]["log-likelihood"] = float(f.log_likelihood)
+    print(json.dumps(out))
+
+
+def cuthbert_check(n, p, T, timeout):
+    env = {**os.environ, "JAX_ENABLE_X64": "1"}
+    cmd = [sys.executable, __file__, "--cuthbert-check-child", f"{n},{p},{T}"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+    if out.returncode != 0:
+        raise RuntimeError(f"the float64 check failed to run:\n{out.stderr}")
+    check = json.loads(out.stdout.strip().splitlines()[-1])
+    for case, diffs in check.items():
+        line = ", ".join(
+            f"{k} {v:.1e}" for k, v in diffs.items() if k != "log-likelihood"
+        )
+        print(f"  check (float64, T={T}) {n}/{p}, {case}: {line}")
+        bad = {k: v for k, v in diffs.items() if k != "log-likelihood"}
+        bad = {k: v for k, v in bad.items() if not v <= CUTHBERT_TOL}
+        if bad:
+            raise RuntimeError(
+                f"ours and cuthbert's disagree ({n}/{p}, {case}): {bad} > "
+                f"{CUTHBERT_TOL:g}; the timings would compare different things"
+            )
+    return check
+
+
+def cuthbert_programs(n, p, T, parallel):
+    """The compiled programs of one backend pair, both data; their compile times;
+    the float32 log-likelihoods."""
+    tag = "par" if parallel else "seq"
+    programs, compiled, compile_s, loglik = {}, {}, {}, {}
+    ours_filter = eqx.filter_jit(lambda kf, ys: kf.filter(ys))
+    ours_smoother = eqx.filter_jit(lambda kf, ys: kf.smooth(ys).means)
+    theirs_filter = jax.jit(lambda params, ys: cuthbert_filter(params, ys, parallel))
+    theirs_smoother = jax.jit(
+        lambda params, ys: cuthbert_smoother(params, ys, parallel).mean
+    )
+    for data, missing in MISSING.items():
+        kf, ys = cuthbert_data(n, p, T, missing, parallel)
+        params = cuthbert_params(kf)
+        for lib, task, fn, args in (
+            ("ours", "filter", ours_filter, (kf, ys)),
+            ("ours", "smoother", ours_smoother, (kf, ys)),
+            ("cuthbert", "filter", theirs_filter, (params, ys)),
+            ("cuthbert", "smoother", theirs_smoother, (params, ys)),
+        ):
+            # one program for both data (the same shapes): NaN is data to both
+            program = f"{lib}: {tag} {task}"
+            if program not in compiled:
+                start = time.perf_counter()
+                compiled[program] = fn.lower(*args).compile()
+                compile_s[program] = time.perf_counter() - start
+            programs[f"{program}, {data}"] = (compiled[program], args)
+        out = jax.block_until_ready(programs[f"ours: {tag} filter, {data}"][0](kf, ys))
+        theirs = programs[f"cuthbert: {tag} filter, {data}"][0](params, ys)
+        assert theirs.mean.dtype == ys.dtype == jnp.float32, theirs.mean.dtype
+        loglik[data] = {
+            "ours": float(out.log_likelihood),
+            "cuthbert": float(theirs.log_normalizing_constant[-1]),
+        }
+    return programs, compile_s, loglik
+
+
+def cuthbert_measure(n, p, T, parallel, repeats):
+    programs, compile_s, loglik = cuthbert_programs(n, p, T, parallel)
+    # long programs (cuthbert's at T = 100k take seconds): one call per sample
+    slow = [k for k in programs if T >= 100_000 and k.startswith("cuthbert")]
+    res = measure_many(programs, repeats=repeats, slow=slow)
+    return {"times": res, "compile_s": compile_s, "loglik_f32": loglik}
+
+
+def cuthbert_child(n, p, T, parallel, repeats):
+    """Run in a subprocess: the parallel programs, interleaved."""
+    print(json.dumps(cuthbert_measure(n, p, T, bool(parallel), repeats)))
+
+
+def cuthbert_parallel(n, p, T, repeats, timeout):
+    cmd = [sys.executable, __file__, "--cuthbert-child", f"{n},{p},{T},1,{repeats}"]
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {"status": f"timed out after {timeout} s (stalled or slow)"}
+    if out.returncode != 0:
+        return {"status": "failed: " + out.stderr.strip().splitlines()[-1]}
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def cuthbert_main(args, info):
+    try:
+        import cuthbert
+    except ImportError:
+        raise SystemExit("--cuthbert needs cuthbert: pip install cuthbert")
+    sizes = [(4, 2)] if args.quick else [(4, 2), (16, 8)]
+    # not T = 100k: cuthbert's sequential filter takes seconds a call there
+    lengths = [1000] if args.quick else [1000, 10_000]
+    payload = {
+        "machine": info,
+        "dtype": "float32",
+        "cuthbert": cuthbert.__version__,
+        "tolerance": CUTHBERT_TOL,
+        "check": {},
+        "runs": {},
+    }
+    print(f"cuthbert {cuthbert.__version__}")
+    for n, p in sizes:
+        payload["check"][f"{n}/{p}"] = cuthbert_check(n, p, 1000, args.cuthbert_timeout)
+    for n, p in sizes:
+        for T in lengths:
+            print(f"measuring: {n}/{p}, T={T}")
+            repeats = max(1, args.repeats // (3 if T >= 100_000 else 1))
+            seq = cuthbert_measure(n, p, T, False, repeats)
+            par = {"status": "skipped: only T <= 10k"}
+            if T <= 10_000:
+                par = cuthbert_parallel(
+                    n, p, T, max(1, repeats // 2), args.cuthbert_timeout
+                )
+            for data, ll in seq["loglik_f32"].items():
+                rel = abs(ll["cuthbert"] / ll["ours"] - 1)
+                print(f"  float32 log-likelihoods, {data}: rel. diff. {rel:.1e}")
+            payload["runs"][f"{n}/{p}/{T}"] = {"seq": seq, "par": par}
+    save(
+        args.json or results_path("kalman_cuthbert"),
+        payload,
+        REPORTS["kalman_cuthbert"],
+    )
+
+
 # --- the reports: printed, and written beside the JSON -----------------------------
 def kalman_rows(p):
     for key, run in p["runs"].items():
@@ -521,10 +741,125 @@ def kalman_em_summary(p):
     )
 
 
+def cuthbert_rows(p):
+    """(size, T, backend, data, {name: median ms}) or a status, per row."""
+    for size, T, run in kalman_rows(p):
+        for tag in ("seq", "par"):
+            res = run[tag]
+            if "status" in res:
+                if not res["status"].startswith("skipped"):
+                    yield size, T, tag, None, res["status"]
+                continue
+            for data in MISSING:
+                t = {
+                    k.split(": ")[0] + " " + k.split(" ")[2][:-1]: v["median_ms"]
+                    for k, v in res["times"].items()
+                    if k.endswith(", " + data)
+                }
+                yield size, T, tag, data, t
+
+
+def kalman_cuthbert_tables(p):
+    rows, compiles = [], []
+    for size, T, tag, data, t in cuthbert_rows(p):
+        if data is None:  # timed out or failed
+            rows.append([size, T, tag, DASH, t] + [DASH] * 5)
+            continue
+        row = [size, T, tag, data]
+        for task in ("filter", "smoother"):
+            ours, theirs = t[f"ours {task}"], t[f"cuthbert {task}"]
+            row += [ms(ours), ms(theirs), times(theirs / ours)]
+        rows.append(row)
+    for size, T, run in kalman_rows(p):
+        for tag in ("seq", "par"):
+            res = run[tag].get("compile_s")
+            if res is None:
+                continue
+            c = lambda lib, task: f"{res[f'{lib}: {tag} {task}']:.2f}"
+            compiles.append(
+                [size, T, tag]
+                + [
+                    c(lib, task)
+                    for task in ("filter", "smoother")
+                    for lib in ("ours", "cuthbert")
+                ]
+            )
+    out = [
+        f"{p['dtype']}, one sequence, the default `KalmanFilter(n, p)` model; "
+        f"cuthbert {p['cuthbert']} (`cuthbert.gaussian.kalman`, square-root form); "
+        '"speed-up": cuthbert\'s time over ours in the same run; "seq": our '
+        'sequential backend against cuthbert\'s `parallel=False`, "par": our '
+        "parallel backend against its `parallel=True` (both associative scans, "
+        'in a subprocess); "filter": the whole result; "smoother": the '
+        'smoothed means, filter included; "10% missing": NaN entries, which both '
+        "skip exactly (ours then runs every step exact, without the steady state).",
+        "",
+    ]
+    out += table(
+        "n/p | T | backend | data | ours filter ms | cuthbert filter ms | "
+        "filter speed-up | ours smoother ms | cuthbert smoother ms | "
+        "smoother speed-up",
+        rows,
+        left=4,
+    )
+    out += [
+        "Compile time (s, `lower().compile()`; one program for both data):",
+        "",
+    ]
+    out += table(
+        "n/p | T | backend | ours filter | cuthbert filter | ours smoother | "
+        "cuthbert smoother",
+        compiles,
+        left=3,
+    )
+    out += [
+        f"Agreement, float64, T = 1000: the largest absolute difference between "
+        "ours and cuthbert's (the log-likelihood: relative); the run stops above "
+        f"{p['tolerance']:g}.",
+        "",
+    ]
+    checks = []
+    for size, check in p["check"].items():
+        for case, d in check.items():
+            data, tag = case.rsplit(", ", 1)
+            checks.append(
+                [size, data, tag]
+                + [
+                    f"{d[k]:.1e}"
+                    for k in (
+                        "filtered means",
+                        "filtered covs",
+                        "log-likelihood (rel.)",
+                        "smoothed means",
+                        "smoothed covs",
+                    )
+                ]
+            )
+    out += table(
+        "n/p | data | backend | filtered means | filtered covs | log-likelihood "
+        "(rel.) | smoothed means | smoothed covs",
+        checks,
+        left=3,
+    )
+    return out
+
+
+def kalman_cuthbert_summary(p):
+    ratios = {}
+    for _, _, tag, data, t in cuthbert_rows(p):
+        if data is None:
+            continue
+        for task in ("filter", "smoother"):
+            key = f"{tag} {task}"
+            ratios.setdefault(key, []).append(t[f"cuthbert {task}"] / t[f"ours {task}"])
+    return "vs cuthbert: " + "; ".join(f"{k} {faster(v)}" for k, v in ratios.items())
+
+
 REPORTS = {
     "kalman": (kalman_summary, kalman_tables),
     "kalman_extras": (kalman_extras_summary, kalman_extras_tables),
     "kalman_em": (kalman_em_summary, kalman_em_tables),
+    "kalman_cuthbert": (kalman_cuthbert_summary, kalman_cuthbert_tables),
 }
 
 
@@ -541,7 +876,7 @@ def main():
     parser.add_argument(
         "--json",
         help="default: results/<machine>/kalman.json (kalman_extras.json with "
-        "--extras)",
+        "--extras, kalman_cuthbert.json with --cuthbert)",
     )
     parser.add_argument("--extras-timeout", type=float, default=600)
     parser.add_argument("--em", action="store_true", help="EM vs dynamax only")
@@ -552,13 +887,25 @@ def main():
         help="default: results/<machine>/kalman_em.json",
     )
     parser.add_argument(
+        "--cuthbert", action="store_true", help="vs cuthbert's Kalman filter only"
+    )
+    parser.add_argument("--cuthbert-timeout", type=float, default=600)
+    parser.add_argument(
         "--report", nargs="+", metavar="JSON", help="write the .md of stored results"
     )
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--extras-child", help=argparse.SUPPRESS)
+    parser.add_argument("--cuthbert-child", help=argparse.SUPPRESS)
+    parser.add_argument("--cuthbert-check-child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.report:
         write_reports(REPORTS, args.report)
+        return
+    if args.cuthbert_child:
+        cuthbert_child(*map(int, args.cuthbert_child.split(",")))
+        return
+    if args.cuthbert_check_child:
+        cuthbert_check_child(*map(int, args.cuthbert_check_child.split(",")))
         return
     if args.child:
         parallel_child(*map(int, args.child.split(",")))
@@ -575,6 +922,9 @@ def main():
     print(allocator_line(info))
     if args.extras:
         extras(args, info)
+        return
+    if args.cuthbert:
+        cuthbert_main(args, info)
         return
     _load_dynamax()
     if lgssm_filter is None:
