@@ -79,7 +79,7 @@ def _check_matrix(name: str, x: Array, shape: tuple[int, ...]) -> None:
         )
 
 
-def _spd_factor(name: str, A: Array) -> Array:
+def _spd_factor(name: str, A: Array, caller: str) -> Array:
     """Cholesky factor of a given covariance; a run-time error unless it is SPD."""
     scale = jnp.max(jnp.abs(A), axis=(-2, -1), keepdims=True)
     tol = math.sqrt(jnp.finfo(A.dtype).eps) * scale
@@ -89,8 +89,7 @@ def _spd_factor(name: str, A: Array) -> Array:
     return error_if_any(
         L,
         bad,
-        f"eqx_seq.KalmanFilter.from_matrices: `{name}` must be symmetric positive "
-        "definite.",
+        f"eqx_seq.{caller}: `{name}` must be symmetric positive definite.",
     )
 
 
@@ -98,9 +97,12 @@ def _spd_factor(name: str, A: Array) -> Array:
 # Equinox's readable error): run op by op, the dozen small operations of the check
 # and the factorisation were compiled one at a time, for every new shape.
 @eqx.filter_jit
-def _checked_raw_factor(name: str, A: Array) -> Array:
-    """The unconstrained parameter (`unfactor`) of a checked covariance `A`."""
-    return unfactor(_spd_factor(name, A))
+def checked_raw_factor(
+    name: str, A: Array, caller: str = "KalmanFilter.from_matrices"
+) -> Array:
+    """The unconstrained parameter (`unfactor`) of a checked covariance `A`; the
+    error names `caller`."""
+    return unfactor(_spd_factor(name, A, caller))
 
 
 def parameters_from_matrices(arrays: dict[str, Any], dtype: Any) -> Parameters:
@@ -166,7 +168,7 @@ def parameters_from_matrices(arrays: dict[str, Any], dtype: Any) -> Parameters:
         raise ValueError(
             f"Time-varying matrices must share one length T, got {lengths}."
         )
-    raw = {k: _checked_raw_factor(k, a[k]) for k in ("Q", "R", "P0")}
+    raw = {k: checked_raw_factor(k, a[k]) for k in ("Q", "R", "P0")}
     return Parameters(
         F=F,
         H=H,

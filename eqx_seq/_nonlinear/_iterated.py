@@ -190,11 +190,15 @@ def smooth_iterated(
 
         start = (traj, jnp.zeros((), jnp.int32), jnp.zeros((), bool))
         traj, k, done = lax.while_loop(cond, body, start)
-        return traj, (k, done)
+        # floating diagnostics: `custom_root` gives the aux zero tangents of its
+        # own dtype, which integers and booleans may not have
+        dtype = traj["means"].dtype
+        return traj, (k.astype(dtype), done.astype(dtype))
 
-    def tangent_solve(g, v):
-        # (dG/dx - I) z = v as z = dG/dx z - v = z + g(z) - v, the iteration that
-        # contracts as the smoother's own does near its fixed point
+    def iterate(g, v):
+        # g(z) = v for g = dG/dx - I (or its transpose) as z = dG/dx z - v
+        # = z + g(z) - v, the iteration that contracts as the smoother's own does
+        # near its fixed point
         def cond(carry):
             _, k, done = carry
             return (k < max_iter) & ~done
@@ -211,7 +215,13 @@ def smooth_iterated(
         start = (z0, jnp.zeros((), jnp.int32), jnp.zeros((), bool))
         return lax.while_loop(cond, body, start)[0]
 
+    def tangent_solve(g, v):
+        # a linear solve whose transpose is the same iteration on the transposed
+        # map: reverse mode transposes the solve, never the loop
+        return lax.custom_linear_solve(g, v, iterate, transpose_solve=iterate)
+
     init = lax.stop_gradient(init)
     traj, (k, done) = lax.custom_root(f, init, solve, tangent_solve, has_aux=True)
     _, result = smooth_once(model, ys, us, traj, points, scan)
-    return result, k, done
+    k, done = lax.stop_gradient((k, done))
+    return result, k.astype(jnp.int32), done > 0

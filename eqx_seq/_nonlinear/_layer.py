@@ -15,7 +15,7 @@ from .._kalman._interface import (
     splits_time,
 )
 from .._kalman._linalg import factor, gram
-from .._kalman._model import _checked_raw_factor, PriorAt
+from .._kalman._model import checked_raw_factor, PriorAt
 from .._misc import (
     check_parameter_dtype,
     check_positive_int,
@@ -71,7 +71,7 @@ def _spd_raw(name: str, A: Any, shape: tuple[int, ...], dtype) -> Array:
             f"eqx_seq.NonlinearKalmanFilter: `{name}` must have shape {shape} (or "
             f"(T, *{shape}) for one per step), got {A.shape}."
         )
-    return _checked_raw_factor(name, A)
+    return checked_raw_factor(name, A, "NonlinearKalmanFilter")
 
 
 class NonlinearKalmanFilter(eqx.Module):
@@ -223,7 +223,9 @@ class NonlinearKalmanFilter(eqx.Module):
                 f"eqx_seq.NonlinearKalmanFilter: `P0` must have shape ({n}, {n}), "
                 f"got {arrays[3].shape}."
             )
-        self.P0_factor = _checked_raw_factor("P0", arrays[3].astype(dtype))
+        self.P0_factor = checked_raw_factor(
+            "P0", arrays[3].astype(dtype), "NonlinearKalmanFilter"
+        )
         lengths = {x.shape[0] for x in (self.Q_factor, self.R_factor) if x.ndim == 3}
         if len(lengths) > 1:
             raise ValueError(

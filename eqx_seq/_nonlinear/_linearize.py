@@ -102,10 +102,10 @@ def linearize(
     w_mean = jnp.asarray(points.w_mean, m.dtype)
     w_cov = jnp.asarray(points.w_cov, m.dtype)
     # products as broadcasts and sums (`mm`), which fuse in the filter's loop body
-    X = m + mm(xi, L.T)
+    X = m[None, :] + mm(xi, L.T)
     G = jax.vmap(g)(X)
     g_bar = jnp.sum(w_mean[:, None] * G, axis=0)
-    Gc = G - g_bar
+    Gc = G - g_bar[None, :]
     M = mm((Gc * w_cov[:, None]).T, xi)
     # A = M L^{-1}, by substitution in the step's own arithmetic (a LAPACK call per
     # step of a loop costs more than the few products it replaces)
