@@ -176,17 +176,19 @@ def smooth_iterated(
         new, _ = smooth_once(model, ys, us, traj, points, scan)
         return jax.tree.map(jnp.subtract, new, traj)
 
-    def solve(f, traj):
+    def solve(_, traj):
         def cond(carry):
             _, k, done = carry
             return (k < max_iter) & ~done
 
         def body(carry):
             traj, k, _ = carry
-            dx = f(traj)
-            traj = jax.tree.map(jnp.add, traj, dx)
-            done = _step_size(dx, scan) <= tol * _size(traj, scan)
-            return traj, k + 1, done
+            # `G(x)` itself, not `x + f(x)`: a vague prior's covariance would
+            # cancel against the next pass's (`f` is for the derivatives)
+            new, _ = smooth_once(model, ys, us, traj, points, scan)
+            dx = jax.tree.map(jnp.subtract, new, traj)
+            done = _step_size(dx, scan) <= tol * _size(new, scan)
+            return new, k + 1, done
 
         start = (traj, jnp.zeros((), jnp.int32), jnp.zeros((), bool))
         traj, k, done = lax.while_loop(cond, body, start)
