@@ -113,6 +113,29 @@ def test_kalman_nile_example(tmp_path):
     assert (tmp_path / "nile.png").exists()
 
 
+def test_kalman_pendulum_example(tmp_path):
+    # the extended estimators only: the iterated smoother's compilation is most of it
+    out = run_script(
+        "examples/kalman_pendulum.py",
+        *("--steps", "100", "--runs", "2", "--fit-steps", "30"),
+        *("--methods", "extended", "--fit-method", "extended", "--out", str(tmp_path)),
+    )
+    rows = [row.split("|")[1:-1] for row in out.splitlines() if row.startswith("| ")]
+    rows = [[cell.strip() for cell in row] for row in rows]
+    names = [row[0] for row in rows]
+    for name in ("EKF", "ERTSS", "IEKS"):
+        assert names.count(name) == 2  # all observations, and with a gap
+    assert all(row[-1] == "2/2" for row in rows if row[0] == "IEKS")  # converged
+    rmse = {}
+    for row in rows:
+        rmse.setdefault(row[0], row[2])  # the first table's: all observations
+    ekf, ertss, ieks = (float(rmse[name]) for name in ("EKF", "ERTSS", "IEKS"))
+    assert ieks < ekf and ertss < ekf < 0.3
+    g = float(out.split("over the 2 runs: g = ")[1].split()[0])
+    assert 8 < g < 11.5  # from g = 5 towards the true 9.81
+    assert (tmp_path / "kalman_pendulum.png").exists()
+
+
 def test_kalman_irregular_example(tmp_path):
     out = run_script(
         "examples/kalman_irregular.py",
