@@ -122,19 +122,26 @@ def inputs(
 
 def observations(params: Parameters, ys: Any, caller: str) -> Array:
     """Validate observations (any length); cast them to the parameters' dtype."""
+    return checked_observations(
+        ys, params.obs_size, params.m0.dtype, f"eqx_seq.KalmanFilter.{caller}"
+    )
+
+
+def checked_observations(ys: Any, obs_size: int, dtype: Any, name: str) -> Array:
+    """`ys` checked to be a floating `(T, obs_size)` array, `T >= 1`, in `dtype`;
+    the errors name `name` (any Kalman layer's method)."""
     ys = jnp.asarray(ys)
     if not jnp.issubdtype(ys.dtype, jnp.floating):
         raise ValueError(
-            f"eqx_seq.KalmanFilter.{caller}: `ys` must be floating (NaN marks a "
-            f"missing entry), got dtype {ys.dtype}."
+            f"{name}: `ys` must be floating (NaN marks a missing entry), got dtype "
+            f"{ys.dtype}."
         )
-    if ys.ndim != 2 or ys.shape[1] != params.obs_size or ys.shape[0] < 1:
+    if ys.ndim != 2 or ys.shape[1] != obs_size or ys.shape[0] < 1:
         raise ValueError(
-            f"eqx_seq.KalmanFilter.{caller}: `ys` must have shape (T, obs_size) "
-            f"= (T, {params.obs_size}) with T >= 1, got {ys.shape}. Use `jax.vmap` "
-            "for a batch of sequences."
+            f"{name}: `ys` must have shape (T, obs_size) = (T, {obs_size}) with "
+            f"T >= 1, got {ys.shape}. Use `jax.vmap` for a batch of sequences."
         )
-    return ys.astype(params.m0.dtype)
+    return ys.astype(dtype)
 
 
 def not_diffuse(initialization: Initialization, caller: str) -> None:
@@ -172,23 +179,28 @@ def check_block(params: Parameters, scan: AbstractScan, T: int, caller: str) -> 
 
 
 def controls(params: Parameters, us: Any, T: int, caller: str) -> Array | None:
-    c = params.control_size
+    return checked_controls(
+        us, params.control_size, T, params.m0.dtype, f"eqx_seq.KalmanFilter.{caller}"
+    )
+
+
+def checked_controls(us: Any, c: int, T: int, dtype: Any, name: str) -> Array | None:
+    """`us` checked against a control size `c` (`None` iff `c == 0`) and `T`
+    steps, in `dtype`; the errors name `name`."""
     if c == 0:
         if us is not None:
             raise ValueError(
-                f"eqx_seq.KalmanFilter.{caller}: got controls `us` but this model "
-                "has control_size=0."
+                f"{name}: got controls `us` but this model has control_size=0."
             )
         return None
     if us is None:
         raise ValueError(
-            f"eqx_seq.KalmanFilter.{caller}: this model has control_size={c}; "
-            f"pass `us` of shape (T, {c})."
+            f"{name}: this model has control_size={c}; pass `us` of shape (T, {c})."
         )
     us = jnp.asarray(us)
     if us.shape != (T, c) or not jnp.issubdtype(us.dtype, jnp.floating):
         raise ValueError(
-            f"eqx_seq.KalmanFilter.{caller}: `us` must be a floating array of "
-            f"shape (T, control_size) = ({T}, {c}), got {us.shape} {us.dtype}."
+            f"{name}: `us` must be a floating array of shape (T, control_size) = "
+            f"({T}, {c}), got {us.shape} {us.dtype}."
         )
-    return us.astype(params.m0.dtype)
+    return us.astype(dtype)

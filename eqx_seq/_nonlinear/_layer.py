@@ -10,6 +10,8 @@ import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike, Bool, Float, Int, PRNGKeyArray
 
 from .._kalman._interface import (
+    checked_controls,
+    checked_observations,
     KalmanFilterResult,
     KalmanSmootherResult,
     splits_time,
@@ -294,18 +296,8 @@ class NonlinearKalmanFilter(eqx.Module):
                 f"over devices (`{type(self.scan).__name__}`); use "
                 "`smooth(..., iterated=True)`, or a one-device backend."
             )
-        ys = jnp.asarray(ys)
-        if not jnp.issubdtype(ys.dtype, jnp.floating):
-            raise ValueError(
-                f"{name}: `ys` must be floating (NaN marks a missing entry), got "
-                f"dtype {ys.dtype}."
-            )
-        if ys.ndim != 2 or ys.shape[1] != self.obs_size or ys.shape[0] < 1:
-            raise ValueError(
-                f"{name}: `ys` must have shape (T, obs_size) = (T, {self.obs_size}) "
-                f"with T >= 1, got {ys.shape}. Use `jax.vmap` for a batch of "
-                "sequences."
-            )
+        dtype = self.m0.dtype
+        ys = checked_observations(ys, self.obs_size, dtype, name)
         T = ys.shape[0]
         num_steps = self._num_steps()
         if num_steps is not None and num_steps != T:
@@ -314,26 +306,9 @@ class NonlinearKalmanFilter(eqx.Module):
                 f"{name}: `Q` or `R` has {num_steps} steps but {where} has {T} "
                 "(with time split over devices, split per-step noise like `ys`)."
             )
-        dtype = self.m0.dtype
-        c = self.control_size
-        if c == 0:
-            if us is not None:
-                raise ValueError(f"{name}: got controls `us` but control_size=0.")
-        else:
-            if us is None:
-                raise ValueError(
-                    f"{name}: this model has control_size={c}; pass `us` of shape "
-                    f"(T, {c})."
-                )
-            us = jnp.asarray(us)
-            if us.shape != (T, c) or not jnp.issubdtype(us.dtype, jnp.floating):
-                raise ValueError(
-                    f"{name}: `us` must be a floating array of shape (T, "
-                    f"control_size) = ({T}, {c}), got {us.shape} {us.dtype}."
-                )
-            us = us.astype(dtype)
+        us = checked_controls(us, self.control_size, T, dtype, name)
         self._check_functions(us, name)
-        return ys.astype(dtype), us
+        return ys, us
 
     def _check_functions(self, us: Array | None, name: str) -> None:
         """The shapes `f` and `h` return, by tracing them once (no computation)."""
