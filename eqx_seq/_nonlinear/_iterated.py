@@ -209,8 +209,7 @@ def smooth_iterated(
             z, k, _ = carry
             r = jax.tree.map(jnp.subtract, g(z), v)
             z = jax.tree.map(jnp.add, z, r)
-            size = 1 + _global_max(jnp.abs(z["means"]), scan)
-            done = _step_size(r, scan) <= tol * size
+            done = _step_size(r, scan) <= tol * _size(z, scan)
             return z, k + 1, done
 
         z0 = jax.tree.map(jnp.negative, v)
