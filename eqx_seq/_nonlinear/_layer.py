@@ -7,15 +7,9 @@ from typing import Any
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, ArrayLike, Bool, Float, Int, PRNGKeyArray
+from jaxtyping import Array, ArrayLike, Float, PRNGKeyArray
 
-from .._kalman._interface import (
-    checked_controls,
-    checked_observations,
-    KalmanFilterResult,
-    KalmanSmootherResult,
-    splits_time,
-)
+from .._kalman._interface import KalmanFilterResult, KalmanSmootherResult, splits_time
 from .._kalman._linalg import factor, gram
 from .._kalman._model import checked_raw_factor, PriorAt
 from .._misc import (
@@ -24,56 +18,22 @@ from .._misc import (
     check_real,
     vary_like,
 )
-from .._scan import AbstractScan, AutoScan, check_scan
+from .._scan import AbstractScan, AutoScan
 from ._filter import (
     filter_nonlinear,
     NonlinearModel,
     sample_nonlinear,
     smooth_nonlinear,
 )
+from ._interface import (
+    backend_of,
+    checked_init,
+    inputs,
+    NonlinearSmootherResult,
+    spd_raw,
+)
 from ._iterated import smooth_iterated, Trajectory
 from ._linearize import Method, METHODS, sigma_points, Unscented
-
-
-class NonlinearSmootherResult(eqx.Module):
-    """What [`eqx_seq.NonlinearKalmanFilter.smooth`][] returns.
-
-    `means[t-1]`, `covs[t-1]` and `cross_covs[t-1]` are the smoothed moments of
-    step `t` (and of steps `t`, `t + 1`) under the model linearised as the method
-    says; `filtered` is the filter of that linearised model, whose
-    `log_likelihood` is the method's approximation of `log p(y_1..y_T)`. For the
-    iterated smoothers, `num_iterations` counts the smoothing passes of the
-    iteration and `converged` says whether the means stopped moving within the
-    tolerance; for the one-pass smoothers they are `1` and `True`. With the time
-    axis split over devices, `cross_covs` has a row per step, as in
-    [`eqx_seq.KalmanSmootherResult`][].
-    """
-
-    means: Float[Array, "T n"]
-    covs: Float[Array, "T n n"]
-    cross_covs: Float[Array, "T-1 n n"] | Float[Array, "T n n"]
-    filtered: KalmanFilterResult
-    num_iterations: Int[Array, ""]
-    converged: Bool[Array, ""]
-
-
-def _backend(scan: Any) -> AbstractScan:
-    """The backend that runs (`AutoScan` resolved), after checking it."""
-    return check_scan(
-        scan, name="eqx_seq.NonlinearKalmanFilter", pytree_scan=True,
-        splits_time=True,
-    )  # fmt: skip
-
-
-def _spd_raw(name: str, A: Any, shape: tuple[int, ...], dtype) -> Array:
-    A = jnp.asarray(A, dtype)
-    ok = A.shape == shape or (A.ndim == len(shape) + 1 and A.shape[1:] == shape)
-    if not ok:
-        raise ValueError(
-            f"eqx_seq.NonlinearKalmanFilter: `{name}` must have shape {shape} (or "
-            f"(T, *{shape}) for one per step), got {A.shape}."
-        )
-    return checked_raw_factor(name, A, "NonlinearKalmanFilter")
 
 
 class NonlinearKalmanFilter(eqx.Module):
@@ -198,7 +158,7 @@ class NonlinearKalmanFilter(eqx.Module):
                 'eqx_seq.NonlinearKalmanFilter: `prior_at` must be "x0" or "x1", '
                 f"got {prior_at!r}."
             )
-        _backend(scan)
+        backend_of(scan)
         arrays = [jnp.asarray(a) for a in (Q, R, m0, P0)]
         if dtype is None:
             common = jnp.result_type(*[a.dtype for a in arrays])
@@ -218,8 +178,8 @@ class NonlinearKalmanFilter(eqx.Module):
                 f"(T, p, p), got {R_arr.shape}."
             )
         p = R_arr.shape[-1]
-        self.Q_factor = _spd_raw("Q", arrays[0], (n, n), dtype)
-        self.R_factor = _spd_raw("R", R_arr, (p, p), dtype)
+        self.Q_factor = spd_raw("Q", arrays[0], (n, n), dtype)
+        self.R_factor = spd_raw("R", R_arr, (p, p), dtype)
         if arrays[3].shape != (n, n):
             raise ValueError(
                 f"eqx_seq.NonlinearKalmanFilter: `P0` must have shape ({n}, {n}), "
@@ -281,55 +241,6 @@ class NonlinearKalmanFilter(eqx.Module):
             return None
         return sigma_points(method, self.state_size, self.unscented)
 
-    # --- input checks ---
-
-    def _num_steps(self) -> int | None:
-        lengths = {x.shape[0] for x in (self.Q_factor, self.R_factor) if x.ndim == 3}
-        return next(iter(lengths), None)
-
-    def _inputs(self, ys: Any, us: Any, caller: str, *, sequential: bool):
-        name = f"eqx_seq.NonlinearKalmanFilter.{caller}"
-        if sequential and splits_time(self.scan):
-            raise ValueError(
-                f"{name}: the filters and the one-pass smoothers linearise each step "
-                "about the previous step's result, a recursion that does not split "
-                f"over devices (`{type(self.scan).__name__}`); use "
-                "`smooth(..., iterated=True)`, or a one-device backend."
-            )
-        dtype = self.m0.dtype
-        ys = checked_observations(ys, self.obs_size, dtype, name)
-        T = ys.shape[0]
-        num_steps = self._num_steps()
-        if num_steps is not None and num_steps != T:
-            where = "this device's block" if splits_time(self.scan) else "the sequence"
-            raise ValueError(
-                f"{name}: `Q` or `R` has {num_steps} steps but {where} has {T} "
-                "(with time split over devices, split per-step noise like `ys`)."
-            )
-        us = checked_controls(us, self.control_size, T, dtype, name)
-        self._check_functions(us, name)
-        return ys, us
-
-    def _check_functions(self, us: Array | None, name: str) -> None:
-        """The shapes `f` and `h` return, by tracing them once (no computation)."""
-        x = jax.ShapeDtypeStruct((self.state_size,), self.m0.dtype)
-        args = () if us is None else (jax.ShapeDtypeStruct(us.shape[1:], us.dtype),)
-        for fn, label, size in (
-            (self.transition, "transition", self.state_size),
-            (self.observation, "observation", self.obs_size),
-        ):
-            out = eqx.filter_eval_shape(fn, x, *args)
-            if not (
-                isinstance(out, jax.ShapeDtypeStruct)
-                and out.shape == (size,)
-                and jnp.issubdtype(out.dtype, jnp.floating)
-            ):
-                got = getattr(out, "shape", type(out).__name__)
-                raise ValueError(
-                    f"{name}: `{label}` must return a floating array of shape "
-                    f"({size},), got {got}."
-                )
-
     # --- inference ---
 
     @jax.named_scope("eqx_seq.NonlinearKalmanFilter")
@@ -386,7 +297,7 @@ class NonlinearKalmanFilter(eqx.Module):
         time over devices.
         """
         points = self._points(method, "filter")
-        ys, us = self._inputs(ys, us, "filter", sequential=True)
+        ys, us = inputs(self, ys, us, "filter", sequential=True)
         return _filter_jit(self, ys, us, points)
 
     @jax.named_scope("eqx_seq.NonlinearKalmanFilter.log_likelihood")
@@ -461,7 +372,7 @@ class NonlinearKalmanFilter(eqx.Module):
         points = self._points(method, "smooth")
         if not isinstance(iterated, bool):
             raise ValueError(f"`iterated` must be a bool, got {iterated!r}.")
-        ys, us = self._inputs(ys, us, "smooth", sequential=not iterated)
+        ys, us = inputs(self, ys, us, "smooth", sequential=not iterated)
         if not iterated:
             if init is not None:
                 raise ValueError(
@@ -473,25 +384,8 @@ class NonlinearKalmanFilter(eqx.Module):
         tol = eps**0.5 if tol is None else check_real("tol", tol, positive=True)
         check_positive_int("max_iter", max_iter)
         if init is not None:
-            init = self._check_init(init, ys.shape[0])
+            init = checked_init(self, init, ys.shape[0])
         return _iterated_jit(self, ys, us, points, init, tol, max_iter)
-
-    def _check_init(self, init: Any, T: int) -> tuple[Array, Array]:
-        n = self.state_size
-        try:
-            means, covs = (jnp.asarray(a, self.m0.dtype) for a in init)
-        except (TypeError, ValueError) as e:
-            raise ValueError(
-                "eqx_seq.NonlinearKalmanFilter.smooth: `init` must be a pair "
-                "(means, covs)."
-            ) from e
-        if means.shape != (T, n) or covs.shape != (T, n, n):
-            raise ValueError(
-                "eqx_seq.NonlinearKalmanFilter.smooth: `init` must be (means, covs) "
-                f"of shapes ({T}, {n}) and ({T}, {n}, {n}), got {means.shape} and "
-                f"{covs.shape}."
-            )
-        return means, covs
 
     @jax.named_scope("eqx_seq.NonlinearKalmanFilter.sample")
     def sample(
@@ -517,7 +411,7 @@ class NonlinearKalmanFilter(eqx.Module):
         check_positive_int("num_steps", num_steps)
         dtype = self.m0.dtype
         ys = jnp.zeros((num_steps, self.obs_size), dtype)
-        _, us = self._inputs(ys, us, "sample", sequential=False)
+        _, us = inputs(self, ys, us, "sample", sequential=False)
         return _sample_jit(self, key, num_steps, us)
 
 
@@ -544,7 +438,7 @@ def _smooth_jit(nkf, ys, us, points) -> NonlinearSmootherResult:
 @eqx.filter_jit
 def _iterated_jit(nkf, ys, us, points, init, tol, max_iter) -> NonlinearSmootherResult:
     model = nkf._model()
-    scan = _backend(nkf.scan)
+    scan = backend_of(nkf.scan)
     if init is None and splits_time(scan):
         T = ys.shape[0]
         P0 = gram(model.L_P0)
