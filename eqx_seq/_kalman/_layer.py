@@ -317,10 +317,9 @@ class KalmanFilter(eqx.Module):
         `filter`, `smooth`, `log_likelihood`, `sample` and `posterior_sample` run
         on `T` observations. `fit_em` needs `F` and `Q` held
         (`fixed={"F": True, "Q": True}`) and fits `H`, `R`, `m0` and `P0` around
-        them (at present with `H` given per step and held too: a time-invariant
-        `H` beside the time-varying `F` fails in the E-step); `A`, `Qc` and `L`
-        are fitted by gradients of the log-likelihood of a function that builds
-        the filter (`docs/usage/kalman.md`, "Irregular time steps").
+        them; `A`, `Qc` and `L` are fitted by gradients of the log-likelihood of
+        a function that builds the filter (`docs/usage/kalman.md`, "Irregular
+        time steps").
 
         **Raises:**
 
