@@ -116,6 +116,32 @@ def _selective(key, scan):
     return params, call, 3, jnp.full((3, 2), jnp.nan)
 
 
+def _ssd(key, scan):
+    """`ssd_scan` as a layer of its arrays, `x` its input `(T, H * P)`: two heads in
+    two groups, every optional array."""
+    k = jr.split(key, 6)
+    params = {
+        "dt": jr.normal(k[0], (T, 2)),
+        "A": -jr.uniform(k[1], (2,), minval=0.5, maxval=2.0),
+        "B": jr.normal(k[2], (T, 2, 2)),
+        "C": jr.normal(k[3], (T, 2, 2)),
+        "D": jr.normal(k[4], (2, 2)),
+        "z": jr.normal(k[5], (T, 2, 2)),
+        "dt_bias": jnp.full(2, 0.3),
+    }
+
+    def call(params, x, reset, h0=None):
+        n = x.shape[0]
+        p = {k: v[-n:] if v.shape[0] == T else v for k, v in params.items()}
+        y = eqx_seq.ssd_scan(
+            x.reshape(n, 2, 2), **p, dt_softplus=True, h0=h0, reset=reset,
+            chunk_size=4, scan=scan,
+        )  # fmt: skip
+        return y.reshape(n, 4)
+
+    return params, call, 4, jnp.full((2, 2, 2), jnp.nan)
+
+
 def _module(make, size):
     def build(key, scan):
         layer = make(key, scan)
@@ -134,6 +160,12 @@ def _mamba(key, scan):
     return eqx_seq.Mamba(3, state_size=2, conv_size=3, chunk_size=4, scan=scan, key=key)
 
 
+def _mamba2(key, scan):
+    return eqx_seq.Mamba2(
+        3, state_size=2, head_dim=2, conv_size=3, chunk_size=4, scan=scan, key=key
+    )
+
+
 LAYERS = {
     "selective_scan": _selective,
     "RGLRU": _module(lambda k, s: eqx_seq.RGLRU(4, num_heads=2, scan=s, key=k), 4),
@@ -145,6 +177,9 @@ LAYERS = {
     ),
     "Mamba": _module(_mamba, 3),
     "MambaBlock": _module(lambda k, s: eqx_seq.MambaBlock(_mamba(k, s)), 3),
+    "ssd_scan": _ssd,
+    "Mamba2": _module(_mamba2, 3),
+    "Mamba2Block": _module(lambda k, s: eqx_seq.Mamba2Block(_mamba2(k, s)), 3),
 }
 
 
@@ -183,7 +218,45 @@ def test_a_bad_segment_stays_in_its_segment(name, scan):
     _close(with_nan_h0, without_h0)
 
 
-@pytest.mark.parametrize("name", ["Mamba", "MambaBlock", "RGLRU", "HawkBlock"])
+@pytest.mark.parametrize("name", ["MambaBlock", "Mamba2Block"])
+def test_stacked_blocks_keep_documents_apart(name):
+    """Two blocks in a row, the second document starting inside a chunk: with a NaN
+    late in the first document, the gradient of a loss on the second with respect
+    to its inputs is a separate call's; with a NaN on the second's first step, that
+    of a loss on the first. The second block's backward gives finite outputs of
+    the first NaN cotangents (its convolution reaches back over the bad step): they
+    must not cross the reset, either way."""
+    make = {"MambaBlock": eqx_seq.MambaBlock, "Mamba2Block": eqx_seq.Mamba2Block}[name]
+    base = {"MambaBlock": _mamba, "Mamba2Block": _mamba2}[name]
+    keys = jr.split(jr.key(8), 2)
+    first, second = (make(base(k, eqx_seq.SequentialScan())) for k in keys)
+    start = 7
+    reset = jnp.zeros(T, bool).at[jnp.array([0, start])].set(True)
+    x = jr.normal(jr.key(9), (T, 3))
+    w = jr.normal(jr.key(10), (T, 3))
+
+    @eqx.filter_jit
+    def program(first, second, x):
+        model = lambda x, reset: second(first(x, reset=reset), reset=reset)
+        loss = lambda x, reset, w: jnp.sum(w * model(x, reset))
+        zero = jnp.zeros_like(w)
+        late = x.at[start - 2, 0].set(jnp.nan)
+        early = x.at[start, 1].set(jnp.nan)
+        return (
+            jax.grad(loss)(late, reset, zero.at[start:].set(w[start:]))[start:],
+            jax.grad(loss)(x[start:], reset[start:], w[start:]),
+            jax.grad(loss)(early, reset, zero.at[:start].set(w[:start]))[:start],
+            jax.grad(loss)(x[:start], reset[:start], w[:start]),
+        )
+
+    later, later_alone, earlier, earlier_alone = program(first, second, x)
+    _close(later, later_alone)
+    _close(earlier, earlier_alone)
+
+
+@pytest.mark.parametrize(
+    "name", ["Mamba", "MambaBlock", "Mamba2", "Mamba2Block", "RGLRU", "HawkBlock"]
+)
 def test_step_mode_restarts_like_the_parallel_call(name):
     """Step mode through a bad segment, then a reset: the outputs after it equal
     the parallel call's, both finite."""
@@ -191,6 +264,10 @@ def test_step_mode_restarts_like_the_parallel_call(name):
         "Mamba": lambda: _mamba(jr.key(4), eqx_seq.SequentialScan()),
         "MambaBlock": lambda: eqx_seq.MambaBlock(
             _mamba(jr.key(4), eqx_seq.SequentialScan())
+        ),
+        "Mamba2": lambda: _mamba2(jr.key(4), eqx_seq.SequentialScan()),
+        "Mamba2Block": lambda: eqx_seq.Mamba2Block(
+            _mamba2(jr.key(4), eqx_seq.SequentialScan())
         ),
         "RGLRU": lambda: eqx_seq.RGLRU(4, num_heads=2, key=jr.key(4)),
         "HawkBlock": lambda: eqx_seq.HawkBlock(

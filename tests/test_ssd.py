@@ -256,12 +256,15 @@ def test_gradient_keeps_chunk_states_not_step_states():
 
 def test_split_over_devices_equals_one_device():
     """Inside `jax.shard_map` with `eqx_seq.ShardedScan` on four devices (resets in
-    some blocks, chunks that do not divide a block): outputs, the last device's
-    final state and the gradient with respect to every argument equal one
-    device's, from one compiled program per side."""
+    some blocks, chunks that do not divide a block, a NaN in a document that spans
+    three devices and one in the last): outputs, the last device's final state and
+    the gradient of a loss on the finite outputs with respect to every argument
+    equal one device's, from one compiled program per side."""
     T, H, Pd, G, N = 36, 2, 2, 1, 3
     arrays, rng = draw(T, H, Pd, G, N, seed=6, D_shape=(H,))
     arrays["h0"] = rng.normal(size=(H, Pd, N))
+    arrays["x"][6, 1, 0] = np.nan
+    arrays["B"][30, 0, 2] = np.inf
     reset = np.zeros(T, bool)
     reset[[4, 20, 27]] = True
     names = ("x", "dt", "A", "B", "C", "D", "h0")
@@ -290,7 +293,8 @@ def test_split_over_devices_equals_one_device():
     def program(fn, last):
         def loss(*v):
             y, h = fn(*v, jnp.asarray(reset))
-            return jnp.sum(y * w) + jnp.sum(last(h))
+            finite = lambda u: jnp.where(jnp.isfinite(u), u, 0)
+            return jnp.sum(finite(y) * w) + jnp.sum(finite(last(h)))
 
         return jax.jit(
             lambda *v: (fn(*v, jnp.asarray(reset)), jax.grad(loss, range(7))(*v))
@@ -299,10 +303,89 @@ def test_split_over_devices_equals_one_device():
     # the split program's final states come back stacked per device: the last one's
     (y, h), grads = program(split_y, lambda h: h.reshape(4, H, Pd, N)[-1])(*values)
     (y1, h1), grads1 = program(one, lambda h: h)(*values)
+    assert np.isnan(y1[6:20, 1, 0]).all() and np.isfinite(y1[:6]).all()
+    assert np.isnan(h1[:, :, 2]).all() and np.isfinite(h1[:, :, :2]).all()
     np.testing.assert_allclose(y, y1, rtol=1e-10, atol=1e-12)
     np.testing.assert_allclose(h.reshape(4, H, Pd, N)[-1], h1, rtol=1e-10, atol=1e-12)
     for k, g, g1 in zip(names, grads, grads1):
+        assert np.all(np.isfinite(g1)), k
         np.testing.assert_allclose(g, g1, rtol=1e-9, atol=1e-11, err_msg=k)
+
+
+@pytest.mark.parametrize(
+    "backend, chunk, negative",
+    [("sequential", 4, False), ("associative", 8, True)],
+)
+def test_non_finite_inputs_reach_only_what_depends_on_them(backend, chunk, negative):
+    """Two packed documents: NaN and inf in `x`, `dt`, `B`, `C` and `z` of the
+    first, an `h0` of NaNs forgotten at the reset on step 0, and a NaN late in the
+    second. The outputs and the final state are not finite exactly where the NumPy
+    loop's are (later steps of the bad entry's document: never an earlier step of
+    its chunk, nor another document) and equal it elsewhere. The gradient of a loss
+    on the second document's finite outputs, with respect to its steps and to the
+    shared `A`, `D` and `dt_bias`, is finite and equals that of a separate call on
+    the second document alone: one compiled program."""
+    T, H, Pd, G, N, start = 13, 4, 2, 2, 3, 6
+    arrays, rng = draw(T, H, Pd, G, N, seed=7, D_shape=(H, Pd))
+    arrays["z"] = rng.normal(size=(T, H, Pd))
+    bias = rng.normal(size=H) * 0.1
+    arrays["x"][2, 1, 0] = np.nan
+    arrays["dt"][4, 2] = np.inf
+    arrays["B"][3, 0, 1] = np.nan
+    arrays["C"][1, 1, 2] = -np.inf
+    arrays["z"][5, 0, 1] = np.nan
+    arrays["x"][10, 3, 1] = np.nan  # in the second document
+    h0 = np.full((H, Pd, N), np.nan)
+    reset = np.zeros(T, bool)
+    reset[[0, start]] = True
+    options = dict(dt_softplus=True, negative_decays=negative)
+    with np.errstate(invalid="ignore", over="ignore"):
+        y_ref, h_ref = numpy_loop(**arrays, h0=h0, reset=reset, dt_bias=bias, **options)
+    scan = {
+        "sequential": eqx_seq.SequentialScan(),
+        "associative": eqx_seq.AssociativeScan(),
+    }[backend]
+    timed = ("x", "dt", "B", "C", "z")
+    names = (*timed, "A", "D", "dt_bias")
+    values = tuple(jnp.asarray(arrays.get(k, bias)) for k in names)
+    finite = np.isfinite(y_ref[start:])
+    w = rng.normal(size=finite.shape)
+
+    def call(*v, h0=None, reset=None):
+        return eqx_seq.ssd_scan(
+            **dict(zip(names, v)), h0=h0, reset=reset, chunk_size=chunk, scan=scan,
+            return_final_state=True, **options,
+        )  # fmt: skip
+
+    def later(*v):
+        return jnp.sum(
+            jnp.where(finite, call(*v, h0=h0, reset=reset)[0][start:], 0) * w
+        )
+
+    def alone(*v):
+        return jnp.sum(jnp.where(finite, call(*v)[0], 0) * w)
+
+    @jax.jit
+    def program(*v):
+        second = tuple(u[start:] if k in timed else u for k, u in zip(names, v))
+        grads = jax.grad(later, range(len(v)))(*v)
+        grads = tuple(g[start:] if k in timed else g for k, g in zip(names, grads))
+        return (
+            call(*v, h0=h0, reset=reset),
+            grads,
+            jax.grad(alone, range(len(v)))(*second),
+        )
+
+    (y, h), grads, grads_alone = program(*values)
+    for ours, ref in [(y, y_ref), (h, h_ref)]:
+        np.testing.assert_array_equal(np.isfinite(ours), np.isfinite(ref))
+        ok = np.isfinite(ref)
+        np.testing.assert_allclose(
+            np.asarray(ours)[ok], ref[ok], rtol=1e-10, atol=1e-12
+        )
+    for k, g, g_alone in zip(names, grads, grads_alone):
+        assert np.all(np.isfinite(g)), k
+        np.testing.assert_allclose(g, g_alone, rtol=1e-10, atol=1e-12, err_msg=k)
 
 
 @pytest.mark.usefixtures("unchecked_annotations")

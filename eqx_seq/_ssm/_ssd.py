@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike, Bool, Float
 
-from .._misc import check_positive_int, check_reset, vary_like
+from .._misc import check_positive_int, check_reset, vary_like, zeros_like_inputs
 from .._recurrence import linear_recurrence
 from .._scan import AbstractScan, AutoScan, check_scan
 from ._selective_core import log_decays
@@ -98,6 +98,81 @@ def _chunk_output(log_a, xdt, B, C, segment, flips, h_in):
 
 
 # --- the whole sequence ---
+#
+# Packed documents stay independent whatever they hold. A masked weight times a
+# value that is not finite is NaN (`0 * nan`), and every product of a chunk sums
+# over steps that its mask leaves out, in the forward pass and in the backward. So
+# the chunks only ever meet finite values:
+#
+# - each non-finite input entry is replaced by zero, and the outputs (and the final
+#   state) that depend on one are set to NaN afterwards by a select. Which ones
+#   do is counted: per step, the non-finite inputs since its segment's start.
+# - the cotangents of the outputs are made finite before they enter the chunks'
+#   products (a NaN cotangent at a finite output comes from the layers after it,
+#   e.g. a convolution's backward over a bad step). What a non-finite one means
+#   reaches the derivatives through a link instead: zero in value, a sum of the
+#   inputs over the steps each output depends on, computed by selection, whose
+#   transpose gives those inputs a NaN derivative, as autodiff through the
+#   recurrent form would, and nothing else.
+#
+# Both sums run inside the chunks and carry between them by the diagonal
+# recurrence, on the given backend (a time split included).
+
+
+@jax.checkpoint
+def _finite(v: Array) -> tuple[Array, Array]:
+    """`(v with its non-finite entries zero, where they were)`."""
+    bad = ~jnp.isfinite(v)
+    return jnp.where(bad, jnp.zeros((), v.dtype), v), bad
+
+
+def _finite_cotangent(v: Array) -> Array:
+    """`v`, whose cotangent has its non-finite entries replaced by zero."""
+    return jax.lax.custom_linear_solve(
+        lambda u: u,
+        v,
+        lambda _, u: u,
+        lambda _, g: jnp.where(jnp.isfinite(g), g, jnp.zeros((), g.dtype)),
+    )
+
+
+def _carry(scan, own: Array, starts: Array, h0: Array) -> tuple[Array, Array]:
+    """`own` `(K, Q, M)`, per-chunk sums since each step's segment start, plus what
+    the chunks before carry in (`h0` before the first reset), and the total after
+    the last step `(M,)`."""
+    keep = jnp.broadcast_to(1 - jnp.max(starts, axis=1)[:, None], own[:, -1].shape)
+    total = linear_recurrence(keep.astype(own.dtype), own[:, -1], h0, scan=scan)
+    first = jnp.cumsum(starts, axis=1) == 0  # before the chunk's first reset
+    carried = jnp.where(first[..., None], scan.shift(total, h0)[:, None], 0)
+    return own + carried, total[-1]
+
+
+def _counts(scan, bad: Array, starts: Array) -> Array:
+    """How many of `bad` `(K, Q, M)` (zero or one) each step has met since its
+    segment started, from `starts` `(K, Q)` (the resets)."""
+    total = jnp.cumsum(bad, axis=1)
+    before = jax.lax.cummax(jnp.where(starts[..., None] > 0, total - bad, 0), axis=1)
+    zero = zeros_like_inputs(bad.shape[2:], bad.dtype, bad)
+    return _carry(scan, total - before, starts, zero)[0]
+
+
+@jax.checkpoint  # the backward pass recomputes the `(Q, Q)` masks
+def _segment_sums(v: Array, starts: Array) -> Array:
+    """The sums of `v` `(K, Q, M)` over each step's segment in its chunk, up to it,
+    by selection (a masked product would spread a NaN of the transpose)."""
+    segment = jnp.cumsum(starts, axis=1)
+    Q = v.shape[1]
+    causal = jnp.arange(Q)[:, None] >= jnp.arange(Q)[None, :]
+    same = (segment[:, :, None] == segment[:, None, :]) & causal[None]
+    return jnp.sum(jnp.where(same[..., None], v[:, None], 0), axis=2)
+
+
+def _link(scan, v: Array, starts: Array, h0: Array) -> tuple[Array, Array]:
+    """Zeros `(K, Q, M)` and `(M,)`, linear in `v` `(K, Q, M)` and `h0` `(M,)`:
+    the sums of `v` over each step's segment up to it, and over the last one, by
+    selection, times zero."""
+    sums, last = _carry(scan, _segment_sums(v, starts), starts, h0)
+    return 0 * sums, 0 * last
 
 
 @eqx.filter_jit
@@ -107,7 +182,27 @@ def _run(
     T, H, P = x.shape
     _, G, N = B.shape
     R = H // G
+    heads = lambda v: jnp.repeat(v, R, axis=1)  # (T, G, ...) -> (T, H, ...)
+    x, bad_x = _finite(x)
+    dt, bad_dt = _finite(dt)
+    B, bad_B = _finite(B)
+    C, bad_C = _finite(C)
+    A, bad_head = _finite(A)
+    per_step = A[None] + jnp.sum(x, axis=-1) + heads(jnp.sum(B, axis=-1))
+    if dt_bias is not None:
+        dt_bias, bad_bias = _finite(dt_bias)
+        bad_head = bad_head | bad_bias
     dt = _step_sizes(dt, dt_bias, softplus, limit)
+    dt, overflow = _finite(dt)  # a finite `dt` whose softplus or bias overflows
+    bad_dt = bad_dt | overflow | bad_head[None]
+    per_step = per_step + dt
+    own_row = heads(jnp.sum(C, axis=-1))
+    if D is not None:
+        D, bad_D = _finite(D[:, None] if D.ndim == 1 else D)
+        own_row = own_row + jnp.sum(D, axis=-1)[None]
+    if z is not None:
+        z, bad_z = _finite(z)
+        own_row = own_row + jnp.sum(z, axis=-1)
     # padded steps have `dt = 0`: a decay of one and no input, so the last state is
     # that of the last real step (also at the end of a device's block, mid-sequence)
     pad = -T % chunk
@@ -120,12 +215,28 @@ def _run(
         v = v.reshape(K, chunk, *v.shape[1:])
         return jnp.moveaxis(v, 1, 1 + len(shape))
 
+    resets = jnp.zeros((T,), jnp.int32) if reset is None else reset.astype(jnp.int32)
+    # the non-finite inputs each step's state has met since its segment started
+    bad = jnp.concatenate(
+        [bad_x.reshape(T, H * P), bad_dt, bad_B.reshape(T, G * N)], axis=1
+    )
+    counts = _counts(scan, chunks(bad.astype(x.dtype)), chunks(resets))
+    counts = counts.reshape(K * chunk, -1)
+    met_x, met_dt, met_B = jnp.split(counts, [H * P, H * P + H], axis=1)
+    met_x, met_B = met_x.reshape(-1, H, P), met_B.reshape(-1, G, 1, N)
+    if h0 is None:
+        h0_link = jnp.zeros((H,), x.dtype)
+    else:
+        h0_link = jnp.sum(_finite(h0)[0], axis=(1, 2))
+    h0_link = vary_like(h0_link, x)
+    link, link_h = _link(scan, chunks(per_step), chunks(resets), h0_link)
+    link = link.reshape(K * chunk, H)[:T] + 0 * own_row
+
     log_a, below, zero = log_decays(dt * A[None], negative)
     log_a = chunks(log_a.reshape(T, G, R), G, R)
     xdt = chunks((x * dt[..., None]).reshape(T, G, R, P), G, R)
     B, C = chunks(B, G), chunks(C, G)
-    starts = jnp.zeros((T,), jnp.int32) if reset is None else reset.astype(jnp.int32)
-    flips = None
+    starts, flips = resets, None
     if negative:
         # a zero decay starts a segment of its head; signs flip at negative ones
         starts = jnp.maximum(starts[:, None], zero.astype(jnp.int32))
@@ -137,16 +248,34 @@ def _run(
     S, alpha = jax.vmap(_chunk_state)(log_a, xdt, B, segment, flips)
     h0 = jnp.zeros((G, R, P, N), x.dtype) if h0 is None else h0.reshape(G, R, P, N)
     h0 = vary_like(h0, x)
-    # between chunks: the diagonal recurrence, one decay per head
+    # between chunks: the diagonal recurrence, one decay per head; a state that is
+    # not finite can only come from `h0` (a reset forgets it by selection)
     h = linear_recurrence(alpha[..., None, None], S, h0, scan=scan)
-    h_in = scan.shift(h, h0)
+    h_in, bad_in = _finite(scan.shift(h, h0))
     y = jax.vmap(_chunk_output)(log_a, xdt, B, C, segment, flips, h_in)
     y = jnp.moveaxis(y, 3, 1).reshape(K * chunk, H, P)[:T]
     if D is not None:
-        y = y + (D[None, :, None] if D.ndim == 1 else D[None]) * x
+        y = y + D[None] * x
     if z is not None:
         y = y * jax.nn.silu(z)
-    return y, h[-1].reshape(H, P, N)
+    y = _finite_cotangent(y) + link[..., None]
+    # the steps of a chunk before its first reset read the state entering it
+    reads = jnp.cumsum(chunks(resets), axis=1) == 0
+    bad_in = jnp.any(bad_in, axis=-1).reshape(K, 1, H, P) & reads[..., None, None]
+    bad_y = bad_in.reshape(K * chunk, H, P)[:T] | (met_x[:T] > 0)
+    bad_y = (
+        bad_y | (met_dt[:T, :, None] > 0) | heads(jnp.any(bad_C, axis=-1))[..., None]
+    )
+    bad_y = bad_y | heads(jnp.any(met_B[:T] > 0, axis=-1))
+    if D is not None:
+        bad_y = bad_y | bad_D[None]
+    if z is not None:
+        bad_y = bad_y | bad_z
+    y = jnp.where(bad_y, jnp.nan, y)
+    bad_h = (met_x[-1, :, :, None] > 0) | (met_dt[-1, :, None, None] > 0)
+    bad_h = bad_h | jnp.repeat(met_B[-1] > 0, R, axis=0)
+    final = _finite_cotangent(h[-1].reshape(H, P, N)) + link_h[:, None, None]
+    return y, jnp.where(bad_h, jnp.nan, final)
 
 
 def _step(state, x, dt, A, B, C, D, z, dt_bias, softplus, limit, negative):
