@@ -3,6 +3,8 @@
 against a float64 NumPy forward written here from the reference models' equations."""
 
 import json
+import re
+import struct
 
 import equinox as eqx
 import jax
@@ -300,3 +302,379 @@ def test_bad_directories(tmp_path):
         eqx_seq.LanguageModel.from_pretrained(tmp_path, chunk_size=8)
     with pytest.raises(ValueError, match="float32 or float64"):
         eqx_seq.LanguageModel.from_pretrained(tmp_path, dtype=jnp.float16)
+
+
+# ------------------------------------------- checkpoints saved by transformers 5
+
+# The config.json that transformers 5's `save_pretrained` writes for a small
+# `Mamba2Config` with its default, infinite `time_step_limit`: its JSON encoder
+# writes non-finite floats as `{"__float__": ...}` objects (strict JSON has no
+# Infinity), and its config loader turns them back into floats.
+TRANSFORMERS5_MAMBA2_CONFIG = """{
+  "architectures": [
+    "Mamba2ForCausalLM"
+  ],
+  "bos_token_id": 0,
+  "chunk_size": 4,
+  "conv_kernel": 3,
+  "dtype": "float32",
+  "eos_token_id": 2,
+  "expand": 2,
+  "head_dim": 4,
+  "hidden_act": "silu",
+  "hidden_size": 8,
+  "initializer_range": 0.1,
+  "layer_norm_epsilon": 1e-06,
+  "model_type": "mamba2",
+  "n_groups": 2,
+  "num_heads": 4,
+  "num_hidden_layers": 2,
+  "pad_token_id": 1,
+  "rescale_prenorm_residual": false,
+  "residual_in_fp32": true,
+  "rms_norm": true,
+  "state_size": 4,
+  "tie_word_embeddings": true,
+  "time_step_floor": 0.0001,
+  "time_step_limit": [
+    0.0,
+    {
+      "__float__": "Infinity"
+    }
+  ],
+  "time_step_max": 0.1,
+  "time_step_min": 0.001,
+  "time_step_rank": 1,
+  "transformers_version": "5.0.0",
+  "use_bias": false,
+  "use_cache": true,
+  "use_conv_bias": true,
+  "vocab_size": 11
+}
+"""
+# the same with the bare `Infinity` token that Python's json module (and so
+# transformers 4) writes
+_PLAIN = re.sub(
+    r'\{\s*"__float__": "Infinity"\s*\}', "Infinity", TRANSFORMERS5_MAMBA2_CONFIG
+)
+
+
+@pytest.mark.parametrize(
+    "text", [TRANSFORMERS5_MAMBA2_CONFIG, _PLAIN], ids=["transformers5", "Infinity"]
+)
+def test_infinite_time_step_limit(text, tmp_path):
+    assert text.count("Infinity") == 1
+    cfg = json.loads(_PLAIN)  # Python's json reads the bare token itself
+    assert cfg["time_step_limit"] == [0.0, float("inf")]
+    weights = _random_weights(cfg, np.float32)
+    path = _save(tmp_path / "ckpt", cfg, weights)
+    (path / "config.json").write_text(text)
+    model = eqx_seq.LanguageModel.from_pretrained(path, dtype=jnp.float64)
+    assert {b.mamba.dt_limit for b in model.blocks} == {(0.0, float("inf"))}
+    logits, stepped = _logits_both_ways(model, jnp.asarray(IDS))
+    expected = _reference_logits(IDS, weights, cfg)
+    np.testing.assert_allclose(logits, expected, rtol=1e-10, atol=1e-10)
+    np.testing.assert_allclose(stepped, expected, rtol=1e-10, atol=1e-10)
+
+
+# ------------------------------------------------------------- malformed input
+
+
+def _checkpoint(directory, cfg=None, files=1):
+    cfg = _mamba_config() if cfg is None else cfg
+    return _save(directory, cfg, _random_weights(cfg, np.float32), files=files)
+
+
+def _config(value=None, *, text=None, base=_mamba_config, **changes):
+    """A checkpoint whose config.json is `text`, `value` as JSON, or `base()` with
+    `changes` (a change to `None` removes the setting)."""
+
+    def make(directory):
+        _checkpoint(directory, base())
+        if isinstance(text, bytes):  # not UTF-8
+            (directory / "config.json").write_bytes(text)
+            return
+        if text is not None:
+            written = text
+        elif value is not None:
+            written = json.dumps(value)
+        else:
+            cfg = {**base(), **changes}
+            written = json.dumps({k: v for k, v in cfg.items() if v is not None})
+        (directory / "config.json").write_text(written)
+
+    return make
+
+
+def _index(text):
+    """A two-file checkpoint whose index is `text`."""
+
+    def make(directory):
+        _checkpoint(directory, files=2)
+        (directory / "model.safetensors.index.json").write_text(text)
+
+    return make
+
+
+def _header(header, body=16):
+    """A checkpoint whose `model.safetensors` has this JSON header and `body`
+    zero bytes of data."""
+
+    def make(directory):
+        _checkpoint(directory)
+        raw = json.dumps(header).encode()
+        (directory / "model.safetensors").write_bytes(
+            struct.pack("<Q", len(raw)) + raw + bytes(body)
+        )
+
+    return make
+
+
+def _tensor(dtype="F32", shape=(2,), offsets=(0, 8), drop=None):
+    """A header entry (tuples are written as JSON arrays)."""
+    entry = {"dtype": dtype, "shape": shape, "data_offsets": offsets}
+    entry.pop(drop, None)
+    return entry
+
+
+def _mamba_ssm(directory):
+    """A checkpoint in `mamba_ssm`'s own format (as `MambaLMHeadModel` saves it)."""
+    directory.mkdir()
+    config = dict(
+        d_model=8,
+        n_layer=2,
+        vocab_size=11,
+        ssm_cfg={},
+        rms_norm=True,
+        residual_in_fp32=True,
+        fused_add_norm=True,
+        pad_vocab_size_multiple=8,
+    )
+    (directory / "config.json").write_text(json.dumps(config))
+    (directory / "pytorch_model.bin").write_bytes(b"PK\x03\x04")
+
+
+_OFFSETS = "`data_offsets` must be two integers 0 <= begin <= end <= 16"
+_LIMIT = r"`time_step_limit` must be a pair of numbers \[low, high\]"
+
+
+@pytest.mark.parametrize(
+    "make, match",
+    [
+        # config.json
+        pytest.param(
+            _config(text='{"model_type": "mamba",'),
+            r"config\.json is not JSON",
+            id="config-not-json",
+        ),
+        pytest.param(
+            _config(text=b'{"a": "\xff"}'),
+            r"config\.json is not JSON",
+            id="config-not-utf8",
+        ),
+        pytest.param(
+            _config([_mamba_config()]),
+            r"config\.json must hold a JSON object.*an array",
+            id="config-list",
+        ),
+        pytest.param(
+            _config(model_type=None),
+            r"config\.json has no `model_type`",
+            id="config-no-model-type",
+        ),
+        pytest.param(
+            _mamba_ssm,
+            r"`mamba_ssm`'s own format.*safetensors.*save_pretrained",
+            id="mamba-ssm-format",
+        ),
+        pytest.param(
+            _config(layer_norm_epsilon="abc"),
+            "`layer_norm_epsilon` must be a positive",
+            id="eps-string",
+        ),
+        pytest.param(
+            _config(layer_norm_epsilon=0),
+            "`layer_norm_epsilon` must be a positive",
+            id="eps-zero",
+        ),
+        pytest.param(
+            _config(time_step_rank="3"),
+            "`time_step_rank` must be a positive integer",
+            id="rank-string",
+        ),
+        pytest.param(
+            _config(expand=2.0),
+            "`expand` must be a positive integer",
+            id="expand-float",
+        ),
+        pytest.param(
+            _config(num_hidden_layers=True),
+            "`num_hidden_layers` must be a positive",
+            id="layers-bool",
+        ),
+        pytest.param(
+            _config(use_conv_bias="no"),
+            "`use_conv_bias` must be true or false",
+            id="conv-bias-string",
+        ),
+        pytest.param(
+            _config(use_bias="false"),
+            "`use_bias` must be true or false",
+            id="bias-string",
+        ),
+        pytest.param(
+            _config(architectures="Mamba", model_type="x"),
+            "holds a 'x' checkpoint",
+            id="other-architecture",
+        ),
+        pytest.param(
+            _config(base=_mamba2_config, time_step_limit=[0.0]), _LIMIT, id="limit-one"
+        ),
+        pytest.param(
+            _config(base=_mamba2_config, time_step_limit="abc"),
+            _LIMIT,
+            id="limit-string",
+        ),
+        pytest.param(
+            _config(base=_mamba2_config, time_step_limit=[1.0, 0.5]),
+            _LIMIT,
+            id="limit-reversed",
+        ),
+        pytest.param(
+            _config(base=_mamba2_config, time_step_limit=[-1.0, 1]),
+            _LIMIT,
+            id="limit-negative",
+        ),
+        pytest.param(
+            _config(
+                base=_mamba2_config,
+                text=json.dumps(_mamba2_config()).replace(
+                    "[0.01, 0.8]", '[0.0, {"__float__": "NaN"}]'
+                ),
+            ),
+            _LIMIT + r".*\[0\.0, nan\]",
+            id="limit-nan",
+        ),
+        pytest.param(
+            _config(
+                base=_mamba2_config,
+                text=json.dumps({**_mamba2_config(), "time_step_limit": None}),
+            ),
+            _LIMIT + ".*None",
+            id="limit-null",
+        ),
+        pytest.param(
+            _config(base=_mamba2_config, n_groups=3),
+            "`n_groups` = 3 must divide",
+            id="groups-not-dividing",
+        ),
+        # activations other than SiLU
+        pytest.param(
+            _config(hidden_act="gelu"), "`hidden_act` is 'gelu'", id="act-gelu"
+        ),
+        pytest.param(
+            _config(base=_mamba2_config, hidden_act="relu"),
+            "`hidden_act` is 'relu'",
+            id="act-relu-mamba2",
+        ),
+        pytest.param(_config(hidden_act=5), "`hidden_act` is 5", id="act-int"),
+        # the index of a sharded checkpoint
+        pytest.param(
+            _index("{"),
+            r"model\.safetensors\.index\.json is not JSON",
+            id="index-not-json",
+        ),
+        pytest.param(
+            _index("[]"), r"index\.json must hold a JSON object", id="index-list"
+        ),
+        pytest.param(
+            _index('{"metadata": {}}'),
+            r"index\.json: `weight_map` must be an object",
+            id="index-no-weight-map",
+        ),
+        pytest.param(
+            _index('{"weight_map": []}'),
+            r"index\.json: `weight_map` must be an object",
+            id="index-weight-map-list",
+        ),
+        pytest.param(
+            _index('{"weight_map": {"a": 5}}'),
+            r"index\.json: `weight_map` must be an",
+            id="index-file-not-string",
+        ),
+        pytest.param(
+            _index('{"weight_map": {"a": "missing.safetensors"}}'),
+            r"index\.json lists 'missing\.safetensors', which is not a file",
+            id="index-missing-file",
+        ),
+        # safetensors headers
+        pytest.param(
+            _header([]),
+            r"model\.safetensors: its header must be a JSON object",
+            id="header-list",
+        ),
+        pytest.param(
+            _header({"a": 5}),
+            "tensor 'a': its header entry must be an object",
+            id="entry-not-object",
+        ),
+        pytest.param(
+            _header({"a": _tensor(drop="dtype")}),
+            "tensor 'a': its header entry lacks",
+            id="entry-no-dtype",
+        ),
+        pytest.param(
+            _header({"a": _tensor(drop="shape")}),
+            "tensor 'a': its header entry lacks",
+            id="entry-no-shape",
+        ),
+        pytest.param(
+            _header({"a": _tensor(drop="data_offsets")}),
+            "tensor 'a': its header entry lacks `data_offsets`",
+            id="entry-no-offsets",
+        ),
+        pytest.param(
+            _header({"a": _tensor(dtype="I64")}),
+            "tensor 'a' has dtype I64",
+            id="dtype-int",
+        ),
+        pytest.param(
+            _header({"a": _tensor(shape=[-2])}),
+            "`shape` must be a list of non-neg",
+            id="shape-negative",
+        ),
+        pytest.param(
+            _header({"a": _tensor(shape="2")}),
+            "`shape` must be a list of non-neg",
+            id="shape-string",
+        ),
+        pytest.param(
+            _header({"a": _tensor(offsets=[-8, 0])}), _OFFSETS, id="offsets-negative"
+        ),
+        pytest.param(
+            _header({"a": _tensor(offsets=[8, 0])}), _OFFSETS, id="offsets-reversed"
+        ),
+        pytest.param(
+            _header({"a": _tensor(offsets=[8, 24])}), _OFFSETS, id="offsets-past-end"
+        ),
+        pytest.param(_header({"a": _tensor(offsets=[0])}), _OFFSETS, id="offsets-one"),
+        pytest.param(
+            _header({"a": _tensor(offsets=[0, 4])}),
+            "hold 4 bytes; its dtype and shape",
+            id="offsets-wrong-size",
+        ),
+        pytest.param(
+            _header({"a": _tensor(), "b": _tensor(offsets=[4, 12])}),
+            "tensors 'a' and 'b' overlap",
+            id="offsets-overlap",
+        ),
+    ],
+)
+def test_malformed_input(make, match, tmp_path):
+    """Each raises a `ValueError` naming the file and the problem, before any
+    array is computed."""
+    directory = tmp_path / "ckpt"
+    make(directory)
+    with pytest.raises(ValueError, match=match) as info:
+        eqx_seq.LanguageModel.from_pretrained(directory)
+    assert str(directory) in str(info.value)

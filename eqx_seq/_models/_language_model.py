@@ -126,7 +126,20 @@ class LanguageModel(eqx.Module):
         The model has the checkpoint's blocks, [`eqx_seq.MambaBlock`][]s or
         [`eqx_seq.Mamba2Block`][]s with RMS norms of its epsilon, an RMS final
         norm and the output tied to the embedding, and gives the logits of the
-        checkpoint's own model.
+        checkpoint's own model. `config.json` is read as transformers reads it:
+        the non-finite numbers that transformers 5 writes as objects
+        (`{"__float__": "Infinity"}`, `"-Infinity"`, `"NaN"`) and the bare
+        `Infinity` token of older versions are numbers.
+
+        A Mamba-2 checkpoint's `time_step_limit` (`[low, high]`; transformers'
+        default `[0, inf]` clamps nothing) clamps the step sizes in step mode
+        too, as in the parallel call, so `step` and `generate` give the logits
+        of the checkpoint's whole-sequence forward pass. `mamba_ssm`'s cached
+        one-token step skips that clamp, and so does transformers' cached
+        decoding on `mamba_ssm`'s CUDA kernels: with a finite limit, the tokens
+        that `generate` picks here can differ from those of transformers'
+        `generate`, while every step's logits equal those of its forward pass
+        over the whole sequence.
 
         **Arguments:**
 
@@ -144,11 +157,20 @@ class LanguageModel(eqx.Module):
 
         **Raises:**
 
-        `ValueError` for a directory without `config.json` or safetensors
-        weights, for another architecture (`model_type` other than `"mamba"` or
-        `"mamba2"`), for a layout the layers do not have (biases on the
-        projections, an output layer not tied to the embedding), and for
-        tensors missing, left over or of the wrong shape.
+        `ValueError`, naming the file and the problem, for a directory without
+        `config.json` or safetensors weights; for a file that is not what it
+        should be (a `config.json` or index that is not JSON or not an object,
+        an index without a `weight_map` of tensor names to files, a safetensors
+        header entry without `dtype`, `shape` or `data_offsets`, or with offsets
+        outside the data, of the wrong size or overlapping another's); for a
+        setting of the wrong type or range (`time_step_limit` must be
+        `[low, high]` with `0 <= low <= high`); for another architecture
+        (`model_type` other than `"mamba"` or `"mamba2"`; a checkpoint in
+        `mamba_ssm`'s own format, `pytorch_model.bin`, is told apart, with how
+        to convert it); for a layout the layers do not have (biases on the
+        projections, a `hidden_act` other than `"silu"`/`"swish"`, an output
+        layer not tied to the embedding); and for tensors missing, left over or
+        of the wrong shape.
         """
         table, blocks, norm = load_pretrained(
             directory, dtype=dtype, scan=scan, chunk_size=chunk_size

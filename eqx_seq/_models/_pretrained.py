@@ -1,7 +1,6 @@
 """Reading Hugging Face transformers' Mamba and Mamba-2 causal-LM checkpoints: a
 directory with `config.json` and the weights in safetensors files."""
 
-import json
 import math
 import os
 import pathlib
@@ -18,79 +17,74 @@ from .._scan import AbstractScan
 from .._ssm._mamba import Mamba
 from .._ssm._mamba2 import Mamba2
 from .._ssm._mamba_block import Mamba2Block, MambaBlock
+from ._files import decode_special_floats, is_int, read_json, read_weights
 
 
-# safetensors' dtype names; bfloat16, which NumPy lacks, is widened to float32
-_DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": np.uint16}
 _ARCHITECTURES = ("mamba", "mamba2")
 
 
-def read_safetensors(path: pathlib.Path) -> dict[str, np.ndarray]:
-    """The floating tensors of one safetensors file, as NumPy arrays (mapped, not
-    read, until used). The format: an 8-byte little-endian header size, a JSON
-    header of `name: {dtype, shape, data_offsets}`, then the bytes."""
-    if path.stat().st_size < 8:
-        raise ValueError(f"{path} is not a safetensors file.")
-    data = np.memmap(path, dtype=np.uint8, mode="r")
-    size = int(data[:8].view("<u8")[0])
-    if not 0 < size <= data.size - 8:
-        raise ValueError(f"{path} is not a safetensors file.")
-    try:
-        header = json.loads(bytes(data[8 : 8 + size]))
-    except ValueError:  # not JSON, or not UTF-8
-        raise ValueError(f"{path} is not a safetensors file.") from None
-    body = data[8 + size :]
-    tensors = {}
-    for name, info in header.items():
-        if name == "__metadata__":
-            continue
-        if info["dtype"] not in _DTYPES:
-            raise ValueError(
-                f"{path}: tensor {name!r} has dtype {info['dtype']}; a Mamba "
-                f"checkpoint's weights are one of {sorted(_DTYPES)}."
+class _Config:
+    """The settings of `config.json`, each checked as it is read: a `ValueError`
+    that names the file and the setting for any of the wrong type or range."""
+
+    def __init__(self, path: pathlib.Path):
+        self.path = path
+        self.values = read_json(
+            path,
+            what="the model's settings by name",
+            object_hook=decode_special_floats,
+        )
+
+    def get(self, name: str, default: object = None):
+        return self.values.get(name, default)
+
+    def error(self, message: str) -> ValueError:
+        return ValueError(f"{self.path}: {message}")
+
+    def integer(self, name: str, default: object = None) -> int:
+        """A positive integer setting."""
+        value = self.values.get(name, default)
+        if not is_int(value) or value < 1:
+            raise self.error(f"`{name}` must be a positive integer, got {value!r}.")
+        return value
+
+    def flag(self, name: str, default: bool) -> bool:
+        value = self.values.get(name, default)
+        if not isinstance(value, bool):
+            raise self.error(f"`{name}` must be true or false, got {value!r}.")
+        return value
+
+    def positive(self, name: str, default: float) -> float:
+        """A finite positive number."""
+        value = self.values.get(name, default)
+        if (
+            not isinstance(value, (int, float))
+            or isinstance(value, bool)
+            or not 0 < value < math.inf
+        ):
+            raise self.error(
+                f"`{name}` must be a positive finite number, got {value!r}."
             )
-        dtype = np.dtype(_DTYPES[info["dtype"]])
-        begin, end = info["data_offsets"]
-        count = math.prod(info["shape"])
-        if end - begin != count * dtype.itemsize or end > body.size:
-            raise ValueError(f"{path}: tensor {name!r} does not fit its header.")
-        array = body[begin:end].view(dtype).reshape(info["shape"])
-        if info["dtype"] == "BF16":  # the high half of a float32
-            array = (array.astype(np.uint32) << 16).view(np.float32)
-        tensors[name] = array
-    return tensors
+        return float(value)
 
-
-def _read_weights(directory: pathlib.Path) -> dict[str, np.ndarray]:
-    """All tensors of the checkpoint: `model.safetensors`, or the files that
-    `model.safetensors.index.json` lists; names without the `backbone.` prefix."""
-    single = directory / "model.safetensors"
-    index = directory / "model.safetensors.index.json"
-    if single.is_file():
-        files = [single]
-    elif index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        files = [directory / name for name in sorted(set(weight_map.values()))]
-    else:
-        raise ValueError(
-            f"{directory} has no `model.safetensors` (nor an index of safetensors "
-            "files); only safetensors checkpoints are read (transformers saves them "
-            "by default)."
+    def time_step_limit(self) -> tuple[float, float]:
+        """Mamba-2's clamp of the step sizes: `[low, high]`, `high` possibly
+        infinite (transformers' default)."""
+        value = self.values.get("time_step_limit", [0.0, math.inf])
+        numbers = (
+            isinstance(value, list)
+            and len(value) == 2
+            and all(
+                isinstance(v, (int, float)) and not isinstance(v, bool) for v in value
+            )
         )
-    weights = {}
-    for file in files:
-        weights.update(read_safetensors(file))
-    return {name.removeprefix("backbone."): w for name, w in weights.items()}
-
-
-def _setting(config: dict, name: str, default: object = None) -> int:
-    """A positive integer setting of the config."""
-    value = config.get(name, default)
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ValueError(
-            f"config.json: `{name}` must be a positive integer, got {value!r}."
-        )
-    return value
+        # `not` of the comparisons, so that NaN fails them
+        if not numbers or not (0 <= value[0] < math.inf and value[0] <= value[1]):
+            raise self.error(
+                "`time_step_limit` must be a pair of numbers [low, high] with "
+                f"0 <= low <= high (high may be infinite), got {value!r}."
+            )
+        return float(value[0]), float(value[1])
 
 
 class _Weights:
@@ -98,8 +92,9 @@ class _Weights:
     shape the layer needs and cast to the parameter dtype; `check_all_used`
     refuses tensors that were never asked for."""
 
-    def __init__(self, weights: dict[str, np.ndarray], dtype):
-        self.weights = weights
+    def __init__(self, directory: pathlib.Path, dtype):
+        self.weights = read_weights(directory)
+        self.where = f"The checkpoint in {directory}"
         self.dtype = dtype
         self.used: set[str] = set()
 
@@ -110,13 +105,13 @@ class _Weights:
         shape = like if isinstance(like, tuple) else like.shape
         if name not in self.weights:
             raise ValueError(
-                f"The checkpoint has no tensor {name!r} (shape {shape}), which its "
+                f"{self.where} has no tensor {name!r} (shape {shape}), which its "
                 "config.json implies."
             )
         array = self.weights[name]
         if array.shape != shape:
             raise ValueError(
-                f"The checkpoint's {name!r} has shape {array.shape}; its config.json "
+                f"{self.where}: {name!r} has shape {array.shape}; its config.json "
                 f"implies {shape}."
             )
         self.used.add(name)
@@ -128,7 +123,7 @@ class _Weights:
             shown = ", ".join(map(repr, unused[:5]))
             more = f" and {len(unused) - 5} more" if len(unused) > 5 else ""
             raise ValueError(
-                f"The checkpoint has tensors that its config.json does not account "
+                f"{self.where} has tensors that its config.json does not account "
                 f"for: {shown}{more}."
             )
 
@@ -141,17 +136,115 @@ def _conv(w: _Weights, prefix: str, conv, use_bias: bool):
     return eqx.tree_at(lambda c: (c.weight, c.bias), conv, (weight, bias))
 
 
-def _mamba_block(config: dict, w: _Weights, i: int, scan: AbstractScan) -> MambaBlock:
-    H = config["hidden_size"]
-    rank = config.get("time_step_rank", "auto")
-    rank = math.ceil(H / 16) if rank == "auto" else _setting(config, "time_step_rank")
+def _mamba_ssm_format(directory: pathlib.Path, config: _Config) -> ValueError:
+    """The error for a checkpoint that `mamba_ssm` saved itself (its
+    `MambaLMHeadModel`): what it is, what is read instead, how to convert."""
+    ssm_cfg = config.get("ssm_cfg")
+    mamba2 = isinstance(ssm_cfg, dict) and ssm_cfg.get("layer") == "Mamba2"
+    model, folder = (
+        ("Mamba2ForCausalLM", "mamba2") if mamba2 else ("MambaForCausalLM", "mamba")
+    )
+    return ValueError(
+        f"{directory} holds a checkpoint in `mamba_ssm`'s own format (config.json "
+        "with `d_model` and `ssm_cfg`, weights in `pytorch_model.bin`), not "
+        "transformers'. `LanguageModel.from_pretrained` reads Hugging Face "
+        'transformers\' checkpoints: config.json with `model_type` "mamba" or '
+        '"mamba2", weights in safetensors files. Convert it with transformers: the '
+        f"conversion script in its `models/{folder}` folder loads it into a "
+        f"`{model}`, or load its weights into one yourself; that model's "
+        "`save_pretrained(directory)` writes the checkpoint to read."
+    )
+
+
+# what transformers' Mamba and Mamba-2 mixers apply through `ACT2FN[hidden_act]`
+# (after the convolution, and Mamba's to the gate too) is SiLU in the layers here
+_SILU = ("silu", "swish")
+
+
+def _settings(directory: pathlib.Path, chunk_size: int | None) -> dict:
+    """The checked settings of the checkpoint's config.json, all read before any
+    weight, so that a bad config is named as such."""
+    config = _Config(directory / "config.json")
+    kind = config.get("model_type")
+    if kind is None and ("d_model" in config.values or "ssm_cfg" in config.values):
+        raise _mamba_ssm_format(directory, config)
+    if kind is None:
+        raise ValueError(
+            f"{config.path} has no `model_type`; `LanguageModel.from_pretrained` "
+            "reads transformers' Mamba and Mamba-2 causal language models "
+            f"(model_type one of {_ARCHITECTURES})."
+        )
+    if kind not in _ARCHITECTURES:
+        names = config.get("architectures")
+        names = ", ".join(map(str, names)) if isinstance(names, list) else names
+        raise ValueError(
+            f"{directory} holds a {kind!r} checkpoint ({names or 'no architectures'}"
+            "); `LanguageModel.from_pretrained` reads transformers' Mamba and Mamba-2 "
+            f"causal language models (model_type one of {_ARCHITECTURES})."
+        )
+    if config.flag("use_bias", False):
+        raise config.error(
+            "`use_bias=true` (biases on the in- and out-projections) is not a layout "
+            "`eqx_seq.Mamba` and `eqx_seq.Mamba2` have."
+        )
+    act = config.get("hidden_act", "silu")
+    if act not in _SILU:
+        raise config.error(
+            f"`hidden_act` is {act!r}; `eqx_seq.Mamba` and `eqx_seq.Mamba2` apply "
+            f"SiLU where transformers' mixers apply `hidden_act` (one of {_SILU}), "
+            "and have no other activation."
+        )
+    if kind == "mamba" and chunk_size is not None:
+        raise ValueError("`chunk_size` is for Mamba-2 checkpoints (`ssd_scan`).")
+    H = config.integer("hidden_size")
+    s = dict(
+        kind=kind,
+        hidden_size=H,
+        vocab_size=config.integer("vocab_size"),
+        layers=config.integer("num_hidden_layers"),
+        state_size=config.integer("state_size"),
+        expand=config.integer("expand"),
+        conv_size=config.integer("conv_kernel"),
+        conv_bias=config.flag("use_conv_bias", True),
+        eps=config.positive("layer_norm_epsilon", 1e-5),
+    )
+    if kind == "mamba":
+        rank = config.get("time_step_rank", "auto")
+        s["dt_rank"] = (
+            math.ceil(H / 16) if rank == "auto" else config.integer("time_step_rank")
+        )
+        return s
+    heads, head_dim = config.integer("num_heads"), config.integer("head_dim")
+    if heads * head_dim != s["expand"] * H:
+        raise config.error(
+            f"num_heads * head_dim = {heads} * {head_dim} must equal expand * "
+            f"hidden_size = {s['expand']} * {H}."
+        )
+    groups = config.integer("n_groups", 1)
+    if heads % groups:
+        raise config.error(
+            f"`n_groups` = {groups} must divide the {heads} heads (`num_heads`)."
+        )
+    s.update(
+        heads=heads,
+        head_dim=head_dim,
+        groups=groups,
+        chunk_size=config.integer("chunk_size", 256)
+        if chunk_size is None
+        else chunk_size,
+        dt_limit=config.time_step_limit(),
+    )
+    return s
+
+
+def _mamba_block(s: dict, w: _Weights, i: int, scan: AbstractScan) -> MambaBlock:
     layer = eqx.filter_eval_shape(
         Mamba,
-        H,
-        state_size=_setting(config, "state_size"),
-        expand=_setting(config, "expand"),
-        conv_size=_setting(config, "conv_kernel"),
-        dt_rank=rank,
+        s["hidden_size"],
+        state_size=s["state_size"],
+        expand=s["expand"],
+        conv_size=s["conv_size"],
+        dt_rank=s["dt_rank"],
         scan=scan,
         dtype=w.dtype,
         key=jr.key(0),
@@ -173,39 +266,25 @@ def _mamba_block(config: dict, w: _Weights, i: int, scan: AbstractScan) -> Mamba
         lambda m: (m.conv, m.out_proj),
         layer,
         (
-            _conv(w, f"{p}.conv1d", layer.conv, config.get("use_conv_bias", True)),
+            _conv(w, f"{p}.conv1d", layer.conv, s["conv_bias"]),
             w(f"{p}.out_proj.weight", layer.out_proj),
         ),
     )
-    return _with_norm(MambaBlock, layer, config, w, i)
+    return _with_norm(MambaBlock, layer, s, w, i)
 
 
-def _mamba2_block(
-    config: dict, w: _Weights, i: int, scan: AbstractScan, chunk_size: int | None
-) -> Mamba2Block:
-    H = config["hidden_size"]
-    E = _setting(config, "expand") * H
-    heads = _setting(config, "num_heads")
-    head_dim = _setting(config, "head_dim")
-    if heads * head_dim != E:
-        raise ValueError(
-            f"config.json: num_heads * head_dim = {heads} * {head_dim} must equal "
-            f"expand * hidden_size = {E}."
-        )
-    limit = config.get("time_step_limit", (0.0, float("inf")))
+def _mamba2_block(s: dict, w: _Weights, i: int, scan: AbstractScan) -> Mamba2Block:
     layer = eqx.filter_eval_shape(
         Mamba2,
-        H,
-        state_size=_setting(config, "state_size"),
-        head_dim=head_dim,
-        expand=config["expand"],
-        ngroups=_setting(config, "n_groups", 1),
-        conv_size=_setting(config, "conv_kernel"),
-        dt_limit=(float(limit[0]), float(limit[1])),
-        norm_eps=float(config.get("layer_norm_epsilon", 1e-5)),
-        chunk_size=_setting(config, "chunk_size", 256)
-        if chunk_size is None
-        else chunk_size,
+        s["hidden_size"],
+        state_size=s["state_size"],
+        head_dim=s["head_dim"],
+        expand=s["expand"],
+        ngroups=s["groups"],
+        conv_size=s["conv_size"],
+        dt_limit=s["dt_limit"],
+        norm_eps=s["eps"],
+        chunk_size=s["chunk_size"],
         scan=scan,
         dtype=w.dtype,
         key=jr.key(0),
@@ -223,14 +302,13 @@ def _mamba2_block(
             w(f"{p}.out_proj.weight", layer.out_proj),
         ),
     )
-    conv = _conv(w, f"{p}.conv1d", layer.conv, config.get("use_conv_bias", True))
+    conv = _conv(w, f"{p}.conv1d", layer.conv, s["conv_bias"])
     layer = eqx.tree_at(lambda m: m.conv, layer, conv)
-    return _with_norm(Mamba2Block, layer, config, w, i)
+    return _with_norm(Mamba2Block, layer, s, w, i)
 
 
-def _with_norm(kind: type, layer, config: dict, w: _Weights, i: int):
-    eps = float(config.get("layer_norm_epsilon", 1e-5))
-    block = kind(layer, norm="rms", norm_eps=eps)
+def _with_norm(kind: type, layer, s: dict, w: _Weights, i: int):
+    block = kind(layer, norm="rms", norm_eps=s["eps"])
     weight = w(f"layers.{i}.norm.weight", block.norm.weight.shape)
     return eqx.tree_at(lambda b: b.norm.weight, block, weight)
 
@@ -247,46 +325,24 @@ def load_pretrained(
     directory = pathlib.Path(directory)
     if not (directory / "config.json").is_file():
         raise ValueError(f"{directory} has no config.json: not a checkpoint directory.")
-    config = json.loads((directory / "config.json").read_text())
-    kind = config.get("model_type")
-    if kind not in _ARCHITECTURES:
-        raise ValueError(
-            f"{directory} holds a {kind!r} checkpoint "
-            f"({', '.join(config.get('architectures', [])) or 'no architectures'}); "
-            "`LanguageModel.from_pretrained` reads transformers' Mamba and Mamba-2 "
-            f"causal language models (model_type one of {_ARCHITECTURES})."
-        )
-    for name in ("use_bias",):
-        if config.get(name, False):
-            raise ValueError(
-                f"config.json: `{name}=true` (biases on the in- and out-projections) "
-                "is not a layout `eqx_seq.Mamba` and `eqx_seq.Mamba2` have."
-            )
-    if kind == "mamba" and chunk_size is not None:
-        raise ValueError("`chunk_size` is for Mamba-2 checkpoints (`ssd_scan`).")
+    s = _settings(directory, chunk_size)
     dtype = check_parameter_dtype("LanguageModel", dtype)
-    w = _Weights(_read_weights(directory), dtype)
-    H = _setting(config, "hidden_size")
-    vocab = _setting(config, "vocab_size")
+    w = _Weights(directory, dtype)
+    H, vocab = s["hidden_size"], s["vocab_size"]
     table = w("embeddings.weight", (vocab, H))
     blocks = tuple(
-        _mamba_block(config, w, i, scan)
-        if kind == "mamba"
-        else _mamba2_block(config, w, i, scan, chunk_size)
-        for i in range(_setting(config, "num_hidden_layers"))
+        _mamba_block(s, w, i, scan)
+        if s["kind"] == "mamba"
+        else _mamba2_block(s, w, i, scan)
+        for i in range(s["layers"])
     )
-    norm = eqx.nn.RMSNorm(
-        H,
-        eps=float(config.get("layer_norm_epsilon", 1e-5)),
-        use_bias=False,
-        dtype=dtype,
-    )
+    norm = eqx.nn.RMSNorm(H, eps=s["eps"], use_bias=False, dtype=dtype)
     norm = eqx.tree_at(lambda n: n.weight, norm, w("norm_f.weight", (H,)))
     if "lm_head.weight" in w:
         head = w("lm_head.weight", (vocab, H))
         if not jnp.array_equal(head, table):
             raise ValueError(
-                "The checkpoint's output layer (`lm_head.weight`) is not its "
+                f"{w.where}: its output layer (`lm_head.weight`) is not its "
                 "embedding table; `eqx_seq.LanguageModel` ties the two."
             )
     w.check_all_used()
