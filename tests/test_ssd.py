@@ -414,9 +414,25 @@ def test_bad_input():
         eqx_seq.ssd_scan(**ok, chunk_size=0)
     with pytest.raises(ValueError, match="AbstractScan"):
         eqx_seq.ssd_scan(**ok, scan="sequential")
+    for key in ("x", "B", "A"):
+        with pytest.raises(ValueError, match=f"`{key}` is required, got None"):
+            eqx_seq.ssd_scan(**{**ok, key: None})
+    with pytest.raises(ValueError, match="G = 0 groups"):
+        eqx_seq.ssd_scan(**{**ok, "B": np.zeros((8, 0, 3)), "C": np.zeros((8, 0, 3))})
+    with pytest.raises(ValueError, match="N = 0 states"):
+        eqx_seq.ssd_scan(**{**ok, "B": np.zeros((8, 2, 0)), "C": np.zeros((8, 2, 0))})
+    for flag in ("dt_softplus", "negative_decays", "return_final_state"):
+        with pytest.raises(ValueError, match=f"`{flag}` must be a bool, got 'no'"):
+            eqx_seq.ssd_scan(**ok, **{flag: "no"})
     row = {k: v[0] for k, v in arrays.items() if k != "A"}
     state = np.zeros((4, 2, 3))
     with pytest.raises(ValueError, match=r"`state` must have shape \(4, 2, 3\)"):
         eqx_seq.ssd_step(np.zeros((4, 2)), **row, A=arrays["A"])
     with pytest.raises(ValueError, match=r"`x` must have shape \(H, P\)"):
         eqx_seq.ssd_step(state, **{**row, "x": arrays["x"]}, A=arrays["A"])
+    with pytest.raises(ValueError, match="`state` is required, got None"):
+        eqx_seq.ssd_step(None, **row, A=arrays["A"])
+    with pytest.raises(ValueError, match="`C` is required, got None"):
+        eqx_seq.ssd_step(state, **{**row, "C": None}, A=arrays["A"])
+    with pytest.raises(ValueError, match="`dt_softplus` must be a bool, got 1"):
+        eqx_seq.ssd_step(state, **row, A=arrays["A"], dt_softplus=1)

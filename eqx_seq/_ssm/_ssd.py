@@ -21,10 +21,12 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike, Bool, Float
 
-from .._misc import check_positive_int, check_reset, vary_like, zeros_like_inputs
+from .._misc import check_bool, check_positive_int, check_reset, vary_like
 from .._recurrence import linear_recurrence
 from .._scan import AbstractScan, AutoScan, check_scan
+from ._packing import count_since_start, finite, finite_cotangent, segment_sums
 from ._selective_core import log_decays
+from ._ssd_checks import check_dt_limit, check_shapes, checked_arrays, compute_dtype
 
 
 def _step_sizes(dt, dt_bias, dt_softplus: bool, dt_limit: tuple[float, float]):
@@ -99,80 +101,9 @@ def _chunk_output(log_a, xdt, B, C, segment, flips, h_in):
 
 # --- the whole sequence ---
 #
-# Packed documents stay independent whatever they hold. A masked weight times a
-# value that is not finite is NaN (`0 * nan`), and every product of a chunk sums
-# over steps that its mask leaves out, in the forward pass and in the backward. So
-# the chunks only ever meet finite values:
-#
-# - each non-finite input entry is replaced by zero, and the outputs (and the final
-#   state) that depend on one are set to NaN afterwards by a select. Which ones
-#   do is counted: per step, the non-finite inputs since its segment's start.
-# - the cotangents of the outputs are made finite before they enter the chunks'
-#   products (a NaN cotangent at a finite output comes from the layers after it,
-#   e.g. a convolution's backward over a bad step). What a non-finite one means
-#   reaches the derivatives through a link instead: zero in value, a sum of the
-#   inputs over the steps each output depends on, computed by selection, whose
-#   transpose gives those inputs a NaN derivative, as autodiff through the
-#   recurrent form would, and nothing else.
-#
-# Both sums run inside the chunks and carry between them by the diagonal
-# recurrence, on the given backend (a time split included).
-
-
-@jax.checkpoint
-def _finite(v: Array) -> tuple[Array, Array]:
-    """`(v with its non-finite entries zero, where they were)`."""
-    bad = ~jnp.isfinite(v)
-    return jnp.where(bad, jnp.zeros((), v.dtype), v), bad
-
-
-def _finite_cotangent(v: Array) -> Array:
-    """`v`, whose cotangent has its non-finite entries replaced by zero."""
-    return jax.lax.custom_linear_solve(
-        lambda u: u,
-        v,
-        lambda _, u: u,
-        lambda _, g: jnp.where(jnp.isfinite(g), g, jnp.zeros((), g.dtype)),
-    )
-
-
-def _carry(scan, own: Array, starts: Array, h0: Array) -> tuple[Array, Array]:
-    """`own` `(K, Q, M)`, per-chunk sums since each step's segment start, plus what
-    the chunks before carry in (`h0` before the first reset), and the total after
-    the last step `(M,)`."""
-    keep = jnp.broadcast_to(1 - jnp.max(starts, axis=1)[:, None], own[:, -1].shape)
-    total = linear_recurrence(keep.astype(own.dtype), own[:, -1], h0, scan=scan)
-    first = jnp.cumsum(starts, axis=1) == 0  # before the chunk's first reset
-    carried = jnp.where(first[..., None], scan.shift(total, h0)[:, None], 0)
-    return own + carried, total[-1]
-
-
-def _counts(scan, bad: Array, starts: Array) -> Array:
-    """How many of `bad` `(K, Q, M)` (zero or one) each step has met since its
-    segment started, from `starts` `(K, Q)` (the resets)."""
-    total = jnp.cumsum(bad, axis=1)
-    before = jax.lax.cummax(jnp.where(starts[..., None] > 0, total - bad, 0), axis=1)
-    zero = zeros_like_inputs(bad.shape[2:], bad.dtype, bad)
-    return _carry(scan, total - before, starts, zero)[0]
-
-
-@jax.checkpoint  # the backward pass recomputes the `(Q, Q)` masks
-def _segment_sums(v: Array, starts: Array) -> Array:
-    """The sums of `v` `(K, Q, M)` over each step's segment in its chunk, up to it,
-    by selection (a masked product would spread a NaN of the transpose)."""
-    segment = jnp.cumsum(starts, axis=1)
-    Q = v.shape[1]
-    causal = jnp.arange(Q)[:, None] >= jnp.arange(Q)[None, :]
-    same = (segment[:, :, None] == segment[:, None, :]) & causal[None]
-    return jnp.sum(jnp.where(same[..., None], v[:, None], 0), axis=2)
-
-
-def _link(scan, v: Array, starts: Array, h0: Array) -> tuple[Array, Array]:
-    """Zeros `(K, Q, M)` and `(M,)`, linear in `v` `(K, Q, M)` and `h0` `(M,)`:
-    the sums of `v` over each step's segment up to it, and over the last one, by
-    selection, times zero."""
-    sums, last = _carry(scan, _segment_sums(v, starts), starts, h0)
-    return 0 * sums, 0 * last
+# Packed documents stay independent whatever they hold: the chunks only meet
+# finite values, and what depends on a non-finite one is NaN by selection, its
+# derivatives included (`_packing.py`).
 
 
 @eqx.filter_jit
@@ -183,26 +114,29 @@ def _run(
     _, G, N = B.shape
     R = H // G
     heads = lambda v: jnp.repeat(v, R, axis=1)  # (T, G, ...) -> (T, H, ...)
-    x, bad_x = _finite(x)
-    dt, bad_dt = _finite(dt)
-    B, bad_B = _finite(B)
-    C, bad_C = _finite(C)
-    A, bad_head = _finite(A)
-    per_step = A[None] + jnp.sum(x, axis=-1) + heads(jnp.sum(B, axis=-1))
+    # finite inputs, and a sum of them per step (head) and per output (the link)
+    x, bad_x = finite(x)
+    dt, bad_dt = finite(dt)
+    B, bad_B = finite(B)
+    C, bad_C = finite(C)
+    A, bad_head = finite(A)
     if dt_bias is not None:
-        dt_bias, bad_bias = _finite(dt_bias)
+        dt_bias, bad_bias = finite(dt_bias)
         bad_head = bad_head | bad_bias
     dt = _step_sizes(dt, dt_bias, softplus, limit)
-    dt, overflow = _finite(dt)  # a finite `dt` whose softplus or bias overflows
+    dt, overflow = finite(dt)  # a finite `dt` whose softplus or bias overflows
     bad_dt = bad_dt | overflow | bad_head[None]
-    per_step = per_step + dt
-    own_row = heads(jnp.sum(C, axis=-1))
+    per_step = A[None] + dt + jnp.sum(x, axis=-1) + heads(jnp.sum(B, axis=-1))
+    per_output = heads(jnp.sum(C, axis=-1))
+    bad_y = heads(jnp.any(bad_C, axis=-1))[..., None]
     if D is not None:
-        D, bad_D = _finite(D[:, None] if D.ndim == 1 else D)
-        own_row = own_row + jnp.sum(D, axis=-1)[None]
+        D, bad_D = finite(D[:, None] if D.ndim == 1 else D)
+        per_output = per_output + jnp.sum(D, axis=-1)[None]
+        bad_y = bad_y | bad_D[None]
     if z is not None:
-        z, bad_z = _finite(z)
-        own_row = own_row + jnp.sum(z, axis=-1)
+        z, bad_z = finite(z)
+        per_output = per_output + jnp.sum(z, axis=-1)
+        bad_y = bad_y | bad_z
     # padded steps have `dt = 0`: a decay of one and no input, so the last state is
     # that of the last real step (also at the end of a device's block, mid-sequence)
     pad = -T % chunk
@@ -215,67 +149,84 @@ def _run(
         v = v.reshape(K, chunk, *v.shape[1:])
         return jnp.moveaxis(v, 1, 1 + len(shape))
 
-    resets = jnp.zeros((T,), jnp.int32) if reset is None else reset.astype(jnp.int32)
-    # the non-finite inputs each step's state has met since its segment started
-    bad = jnp.concatenate(
-        [bad_x.reshape(T, H * P), bad_dt, bad_B.reshape(T, G * N)], axis=1
+    resets = None if reset is None else chunks(reset.astype(jnp.int32))
+    bad = [bad_x.reshape(T, H * P), bad_dt, bad_B.reshape(T, G * N)]
+    counts = count_since_start(
+        chunks(jnp.concatenate(bad, axis=1).astype(x.dtype)), resets
     )
-    counts = _counts(scan, chunks(bad.astype(x.dtype)), chunks(resets))
-    counts = counts.reshape(K * chunk, -1)
-    met_x, met_dt, met_B = jnp.split(counts, [H * P, H * P + H], axis=1)
-    met_x, met_B = met_x.reshape(-1, H, P), met_B.reshape(-1, G, 1, N)
-    if h0 is None:
-        h0_link = jnp.zeros((H,), x.dtype)
-    else:
-        h0_link = jnp.sum(_finite(h0)[0], axis=(1, 2))
-    h0_link = vary_like(h0_link, x)
-    link, link_h = _link(scan, chunks(per_step), chunks(resets), h0_link)
-    link = link.reshape(K * chunk, H)[:T] + 0 * own_row
+    sums = segment_sums(chunks(per_step), resets)
 
     log_a, below, zero = log_decays(dt * A[None], negative)
     log_a = chunks(log_a.reshape(T, G, R), G, R)
     xdt = chunks((x * dt[..., None]).reshape(T, G, R, P), G, R)
     B, C = chunks(B, G), chunks(C, G)
-    starts, flips = resets, None
+    starts = jnp.zeros((K, chunk), jnp.int32) if resets is None else resets
+    flips = None
     if negative:
         # a zero decay starts a segment of its head; signs flip at negative ones
-        starts = jnp.maximum(starts[:, None], zero.astype(jnp.int32))
-        starts = chunks(starts.reshape(T, G, R), G, R)
+        zero = chunks(zero.astype(jnp.int32).reshape(T, G, R), G, R)
+        starts = jnp.maximum(starts[:, None, None], zero)
         flips = jnp.cumsum(chunks(below.astype(jnp.int32).reshape(T, G, R), G, R), -1)
         segment = jnp.cumsum(starts, axis=-1)
     else:  # one segment count for every head
-        segment = jnp.cumsum(chunks(starts), axis=1)[:, None, None]
+        segment = jnp.cumsum(starts, axis=1)[:, None, None]
     S, alpha = jax.vmap(_chunk_state)(log_a, xdt, B, segment, flips)
-    h0 = jnp.zeros((G, R, P, N), x.dtype) if h0 is None else h0.reshape(G, R, P, N)
+
+    # between chunks, one recurrence: the states (one decay per head; one that is
+    # not finite can only come from `h0`, which a reset forgets by selection), the
+    # counts and the sums (carried unless the chunk resets), from `h0`
+    if h0 is None:
+        h0 = jnp.zeros((H, P, N), x.dtype)
     h0 = vary_like(h0, x)
-    # between chunks: the diagonal recurrence, one decay per head; a state that is
-    # not finite can only come from `h0` (a reset forgets it by selection)
-    h = linear_recurrence(alpha[..., None, None], S, h0, scan=scan)
-    h_in, bad_in = _finite(scan.shift(h, h0))
+    keep = jnp.ones((K,), x.dtype)
+    if resets is not None:
+        keep = (1 - jnp.max(resets, axis=1)).astype(x.dtype)
+    M = counts.shape[-1] + H
+    decays = jnp.broadcast_to(alpha.reshape(K, H, 1), (K, H, P * N)).reshape(K, -1)
+    a = jnp.concatenate([decays, jnp.broadcast_to(keep[:, None], (K, M))], axis=1)
+    b = jnp.concatenate([S.reshape(K, -1), counts[:, -1], sums[:, -1]], axis=1)
+    start = jnp.concatenate(
+        [
+            h0.reshape(-1),
+            jnp.zeros_like(counts[0, 0]),
+            jnp.sum(finite(h0)[0], axis=(1, 2)),
+        ]
+    )
+    carried = linear_recurrence(a, b, start, scan=scan)
+    entering = scan.shift(carried, start)
+    h_in, bad_in = finite(entering[:, : H * P * N].reshape(K, G, R, P, N))
+    # the steps of a chunk before its first reset read what enters it
+    reads = (
+        jnp.ones((K, chunk), bool)
+        if resets is None
+        else jnp.cumsum(resets, axis=1) == 0
+    )
+    before = lambda v: jnp.where(reads[..., None], v[:, None], 0)
+    counts = counts + before(jax.lax.stop_gradient(entering[:, -M:-H]))
+    sums = sums + before(entering[:, -H:])
+    counts = counts.reshape(K * chunk, -1)
+    met_x, met_dt, met_B = jnp.split(counts, [H * P, H * P + H], axis=1)
+    met_x, met_B = met_x.reshape(-1, H, P), met_B.reshape(-1, G, 1, N)
+
     y = jax.vmap(_chunk_output)(log_a, xdt, B, C, segment, flips, h_in)
     y = jnp.moveaxis(y, 3, 1).reshape(K * chunk, H, P)[:T]
     if D is not None:
         y = y + D[None] * x
     if z is not None:
         y = y * jax.nn.silu(z)
-    y = _finite_cotangent(y) + link[..., None]
-    # the steps of a chunk before its first reset read the state entering it
-    reads = jnp.cumsum(chunks(resets), axis=1) == 0
+    link = 0 * (sums.reshape(K * chunk, H)[:T] + per_output)
+    y = finite_cotangent(y) + link[..., None]
     bad_in = jnp.any(bad_in, axis=-1).reshape(K, 1, H, P) & reads[..., None, None]
-    bad_y = bad_in.reshape(K * chunk, H, P)[:T] | (met_x[:T] > 0)
-    bad_y = (
-        bad_y | (met_dt[:T, :, None] > 0) | heads(jnp.any(bad_C, axis=-1))[..., None]
-    )
-    bad_y = bad_y | heads(jnp.any(met_B[:T] > 0, axis=-1))
-    if D is not None:
-        bad_y = bad_y | bad_D[None]
-    if z is not None:
-        bad_y = bad_y | bad_z
+    bad_y = bad_y | bad_in.reshape(K * chunk, H, P)[:T] | (met_x[:T] > 0)
+    bad_y = bad_y | (met_dt[:T, :, None] > 0) | heads(jnp.any(met_B[:T] > 0, -1))
     y = jnp.where(bad_y, jnp.nan, y)
+
+    last = carried[-1]
     bad_h = (met_x[-1, :, :, None] > 0) | (met_dt[-1, :, None, None] > 0)
     bad_h = bad_h | jnp.repeat(met_B[-1] > 0, R, axis=0)
-    final = _finite_cotangent(h[-1].reshape(H, P, N)) + link_h[:, None, None]
-    return y, jnp.where(bad_h, jnp.nan, final)
+    link_h = 0 * last[-H:]
+    final = finite_cotangent(last[: H * P * N].reshape(H, P, N))
+    return y, jnp.where(bad_h, jnp.nan, final + link_h[:, None, None])
 
 
 def _step(state, x, dt, A, B, C, D, z, dt_bias, softplus, limit, negative):
@@ -292,89 +243,6 @@ def _step(state, x, dt, A, B, C, D, z, dt_bias, softplus, limit, negative):
     if z is not None:
         y = y * jax.nn.silu(z)
     return y, state
-
-
-# --- input checks ---
-
-
-def _arrays(name: str, given: dict) -> dict:
-    """The given arrays (the `None`s left out), each real floating."""
-    arrays = {}
-    for key, x in given.items():
-        if x is None:
-            continue
-        try:
-            x = jnp.asarray(x)
-        except TypeError as e:
-            raise ValueError(f"`{name}`: `{key}` must be an array: {e}") from None
-        if not jnp.issubdtype(x.dtype, jnp.floating):
-            raise ValueError(
-                f"`{name}` needs real floating arrays, got {x.dtype} for `{key}`; "
-                f"cast it, e.g. `{key}.astype(jnp.float32)`."
-            )
-        arrays[key] = x
-    return arrays
-
-
-def _check_shapes(name: str, arrays: dict, time: tuple) -> None:
-    """Shapes against those `x` and `B` give (`time`: `(T,)`, or `()` for a step);
-    groups that divide the heads."""
-    x, B = arrays["x"], arrays["B"]
-    if x.ndim != len(time) + 2 or (time and x.shape[0] == 0):
-        what = "(T, H, P) with T >= 1" if time else "(H, P)"
-        raise ValueError(
-            f"`{name}`: `x` must have shape {what}, got shape {x.shape}"
-            + ("; use `jax.vmap` for a batch." if time else ".")
-        )
-    if B.ndim != len(time) + 2:
-        what = "(T, G, N)" if time else "(G, N)"
-        raise ValueError(f"`{name}`: `B` must have shape {what}, got {B.shape}.")
-    *_, H, P = x.shape
-    *_, G, N = B.shape
-    if H % G:
-        raise ValueError(
-            f"`{name}`: the {G} groups of `B` and `C` must divide the {H} heads of "
-            f"`x` (each group serves H / G heads), got H = {H}, G = {G}."
-        )
-    T = x.shape[:1] if time else ()
-    expected = {
-        "dt": (*T, H), "A": (H,), "B": (*T, G, N), "C": (*T, G, N),
-        "z": (*T, H, P), "dt_bias": (H,), "h0": (H, P, N), "state": (H, P, N),
-    }  # fmt: skip
-    sizes = f"H = {H} heads, P = {P} channels per head, G = {G} groups, N = {N}"
-    if T:
-        sizes = f"T = {T[0]} steps, " + sizes
-    for key, a in arrays.items():
-        want = expected.get(key)
-        ok = a.shape in ((H,), (H, P)) if key == "D" else a.shape == want
-        if key != "x" and not ok:
-            want = "(H,) or (H, P)" if key == "D" else want
-            raise ValueError(
-                f"`{name}`: `{key}` must have shape {want} (with {sizes} states, "
-                f"read from `x` {x.shape} and `B` {B.shape}), got {a.shape}."
-            )
-
-
-def check_dt_limit(name: str, dt_limit) -> tuple[float, float]:
-    try:
-        lo, hi = (float(v) for v in dt_limit)
-    except (TypeError, ValueError):
-        raise ValueError(
-            f"`{name}`: `dt_limit` must be a pair of numbers (low, high), got "
-            f"{dt_limit!r}."
-        ) from None
-    if not (0 <= lo <= hi) or math.isnan(hi):
-        raise ValueError(
-            f"`{name}`: `dt_limit` must satisfy 0 <= low <= high, got {dt_limit!r}."
-        )
-    return lo, hi
-
-
-def _compute_dtype(arrays: dict):
-    """The inputs' dtype, and the one they are computed in (float32 for half)."""
-    with jax.numpy_dtype_promotion("standard"):
-        dtype = jnp.result_type(*arrays.values())
-        return dtype, jnp.promote_types(dtype, jnp.float32)
 
 
 def ssd_scan(
@@ -487,11 +355,14 @@ def ssd_scan(
     check_positive_int("chunk_size", chunk_size)
     chosen = check_scan(scan, name=name, splits_time=True)
     limit = check_dt_limit(name, dt_limit)
+    softplus = check_bool("dt_softplus", dt_softplus)
+    negative = check_bool("negative_decays", negative_decays)
+    check_bool("return_final_state", return_final_state)
     given = dict(x=x, dt=dt, A=A, B=B, C=C, D=D, z=z, dt_bias=dt_bias, h0=h0)
-    arrays = _arrays(name, given)
-    _check_shapes(name, arrays, time=(None,))
+    arrays = checked_arrays(name, given, required=("x", "dt", "A", "B", "C"))
+    check_shapes(name, arrays, time=(None,))
     T = arrays["x"].shape[0]
-    dtype, compute = _compute_dtype(arrays)
+    dtype, compute = compute_dtype(arrays)
     arrays = {k: v.astype(compute) for k, v in arrays.items()}
     y, final = _run(
         chosen,
@@ -506,9 +377,9 @@ def ssd_scan(
         arrays.get("h0"),
         check_reset(reset, T, name),
         arrays.get("dt_bias"),
-        bool(dt_softplus),
+        softplus,
         limit,
-        bool(negative_decays),
+        negative,
     )
     y = y.astype(dtype)
     if return_final_state:
@@ -572,10 +443,12 @@ def ssd_step(
     """
     name = "eqx_seq.ssd_step"
     limit = check_dt_limit(name, dt_limit)
+    softplus = check_bool("dt_softplus", dt_softplus)
+    negative = check_bool("negative_decays", negative_decays)
     given = dict(x=x, state=state, dt=dt, A=A, B=B, C=C, D=D, z=z, dt_bias=dt_bias)
-    arrays = _arrays(name, given)
-    _check_shapes(name, arrays, time=())
-    dtype, compute = _compute_dtype(arrays)
+    arrays = checked_arrays(name, given, required=("state", "x", "dt", "A", "B", "C"))
+    check_shapes(name, arrays, time=())
+    dtype, compute = compute_dtype(arrays)
     arrays = {k: v.astype(compute) for k, v in arrays.items()}
     y, state = _step(
         arrays["state"],
@@ -587,8 +460,8 @@ def ssd_step(
         arrays.get("D"),
         arrays.get("z"),
         arrays.get("dt_bias"),
-        bool(dt_softplus),
+        softplus,
         limit,
-        bool(negative_decays),
+        negative,
     )
     return y.astype(dtype), state.astype(dtype)
