@@ -7,7 +7,7 @@ and in the backward. So the chunks only ever meet finite values:
 - each non-finite input entry is replaced by zero (`finite`), and the outputs (and
   the final state) that depend on one are set to NaN afterwards by a select. Which
   ones do is counted: per step, the non-finite inputs since its segment's start
-  (`count_since_start`, inside a chunk; the scan carries them between chunks).
+  (`count_within`, inside a chunk; the scan carries them between chunks).
 - the cotangents of the outputs are made finite before they enter the chunks'
   products (`finite_cotangent`: a NaN cotangent at a finite output comes from the
   layers after it, e.g. a convolution's backward over a bad step). What a
@@ -19,9 +19,14 @@ and in the backward. So the chunks only ever meet finite values:
 The derivation is in `docs/devdocs/ssd.md`.
 """
 
+import functools as ft
+
 import jax
 import jax.numpy as jnp
 from jaxtyping import Array
+
+from .._misc import vary_like
+from .._recurrence import linear_recurrence
 
 
 @jax.checkpoint
@@ -41,23 +46,77 @@ def finite_cotangent(v: Array) -> Array:
     )
 
 
-def count_since_start(bad: Array, starts: Array | None) -> Array:
-    """How many of `bad` `(K, Q, M)` (zero or one) each step has met since its
-    segment started in its chunk (`starts` `(K, Q)`: the resets, or `None`)."""
-    total = jnp.cumsum(bad, axis=1)
-    if starts is None:
-        return total
-    before = jnp.where(starts[..., None] > 0, total - bad, 0)
-    return total - jax.lax.cummax(before, axis=1)
+def segment_mask(starts: Array | None, Q: int) -> Array:
+    """Which steps reach which inside a chunk, `(K, Q, Q)` (`(1, Q, Q)` without
+    resets): `[k, s, t]` for `t <= s` in one segment (`starts` `(K, Q)`, the
+    resets, or `None`)."""
+    same = (jnp.arange(Q)[:, None] >= jnp.arange(Q)[None, :])[None]
+    if starts is not None:
+        segment = jnp.cumsum(starts, axis=1)
+        same = (segment[:, :, None] == segment[:, None, :]) & same
+    return same
+
+
+def count_within(bad: Array, starts: Array | None) -> Array:
+    """How many of `bad` `(K, Q, M)` (zeros and ones) each step has met since its
+    segment started in its chunk: a product with the segment mask (no gradient
+    flows here)."""
+    same = segment_mask(starts, bad.shape[1]).astype(bad.dtype)
+    return jnp.einsum("kst,ktm->ksm", same, jax.lax.stop_gradient(bad))
+
+
+def count_last(bad: Array, starts: Array | None) -> Array:
+    """How many of `bad` `(K, Q, M)` the last segment of each chunk holds, `(K, M)`."""
+    same = segment_mask(starts, bad.shape[1])[:, -1].astype(bad.dtype)
+    return jnp.einsum("kt,ktm->km", same, jax.lax.stop_gradient(bad))
 
 
 @jax.checkpoint  # the backward pass recomputes the `(Q, Q)` masks
 def segment_sums(v: Array, starts: Array | None) -> Array:
     """The sums of `v` `(K, Q, M)` over each step's segment in its chunk, up to it,
     by selection (the transpose of a masked product would spread a NaN)."""
-    Q = v.shape[1]
-    same = (jnp.arange(Q)[:, None] >= jnp.arange(Q)[None, :])[None]
-    if starts is not None:
-        segment = jnp.cumsum(starts, axis=1)
-        same = (segment[:, :, None] == segment[:, None, :]) & same
-    return jnp.sum(jnp.where(same[..., None], v[:, None], 0), axis=2)
+    same = segment_mask(starts, v.shape[1])[:, None]
+    v = jnp.moveaxis(v, 2, 1)[:, :, None, :]  # (K, M, 1, Q)
+    return jnp.moveaxis(jnp.sum(jnp.where(same, v, 0), axis=-1), 1, 2)
+
+
+def keeps(starts: Array | None, K: int, dtype) -> Array:
+    """`(K,)`: one for a chunk without a reset (it carries what enters it on), zero
+    for one with."""
+    if starts is None:
+        return jnp.ones((K,), dtype)
+    return (1 - jnp.max(starts, axis=1)).astype(dtype)
+
+
+def reads(starts: Array | None, K: int, Q: int) -> Array:
+    """`(K, Q)`: the steps of each chunk before its first reset, which read what
+    enters it."""
+    if starts is None:
+        return jnp.ones((K, Q), bool)
+    return jnp.cumsum(starts, axis=1) == 0
+
+
+@ft.partial(jax.custom_jvp, nondiff_argnums=(0,))
+def link(scan, per_step: Array, per_output: Array, starts, h0: Array):
+    """Zeros like `per_output` `(K, Q, M)` and `h0` `(M,)`, whose derivative is zero
+    times the sums of `per_step` `(K, Q, M)` over each step's segment up to it
+    (from `h0` before the first reset), plus `per_output`. Added to outputs, its
+    transpose gives a NaN derivative to what each output with a non-finite
+    cotangent depends on. The sums are only computed when differentiating."""
+    return jnp.zeros_like(per_output), jnp.zeros_like(h0)
+
+
+@link.defjvp
+def _link_jvp(scan, primals, tangents):
+    per_step, per_output, starts, h0 = primals
+    d_step, d_output, _, d_h0 = tangents
+    K, Q, M = per_step.shape
+    sums = segment_sums(d_step, starts)
+    keep = jnp.broadcast_to(keeps(starts, K, d_step.dtype)[:, None], (K, M))
+    d_h0 = vary_like(d_h0, d_step)
+    total = linear_recurrence(keep, sums[:, -1], d_h0, scan=scan)
+    entering = jnp.where(
+        reads(starts, K, Q)[..., None], scan.shift(total, d_h0)[:, None], 0
+    )
+    tangent = (0 * (sums + entering + d_output), 0 * total[-1])
+    return link(scan, *primals), tangent

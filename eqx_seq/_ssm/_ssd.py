@@ -24,7 +24,15 @@ from jaxtyping import Array, ArrayLike, Bool, Float
 from .._misc import check_bool, check_positive_int, check_reset, vary_like
 from .._recurrence import linear_recurrence
 from .._scan import AbstractScan, AutoScan, check_scan
-from ._packing import count_since_start, finite, finite_cotangent, segment_sums
+from ._packing import (
+    count_last,
+    count_within,
+    finite,
+    finite_cotangent,
+    keeps,
+    link,
+    reads,
+)
 from ._selective_core import log_decays
 from ._ssd_checks import check_dt_limit, check_shapes, checked_arrays, compute_dtype
 
@@ -150,11 +158,14 @@ def _run(
         return jnp.moveaxis(v, 1, 1 + len(shape))
 
     resets = None if reset is None else chunks(reset.astype(jnp.int32))
+    # the non-finite inputs met since the segment's start: by each output (its
+    # `x`, `dt` and `B`), and by the last segment of each chunk (apart, for the
+    # final state)
+    met = bad_x | bad_dt[..., None] | heads(jnp.any(bad_B, axis=-1))[..., None]
     bad = [bad_x.reshape(T, H * P), bad_dt, bad_B.reshape(T, G * N)]
-    counts = count_since_start(
-        chunks(jnp.concatenate(bad, axis=1).astype(x.dtype)), resets
-    )
-    sums = segment_sums(chunks(per_step), resets)
+    bad = chunks(jnp.concatenate(bad, axis=1).astype(x.dtype))
+    met = count_within(chunks(met.reshape(T, H * P).astype(x.dtype)), resets)
+    last_met = count_last(bad, resets)
 
     log_a, below, zero = log_decays(dt * A[None], negative)
     log_a = chunks(log_a.reshape(T, G, R), G, R)
@@ -173,40 +184,33 @@ def _run(
     S, alpha = jax.vmap(_chunk_state)(log_a, xdt, B, segment, flips)
 
     # between chunks, one recurrence: the states (one decay per head; one that is
-    # not finite can only come from `h0`, which a reset forgets by selection), the
-    # counts and the sums (carried unless the chunk resets), from `h0`
+    # not finite can only come from `h0`, which a reset forgets by selection) and
+    # the counts (carried on unless the chunk resets)
     if h0 is None:
         h0 = jnp.zeros((H, P, N), x.dtype)
     h0 = vary_like(h0, x)
-    keep = jnp.ones((K,), x.dtype)
-    if resets is not None:
-        keep = (1 - jnp.max(resets, axis=1)).astype(x.dtype)
-    M = counts.shape[-1] + H
+    M = last_met.shape[-1]
     decays = jnp.broadcast_to(alpha.reshape(K, H, 1), (K, H, P * N)).reshape(K, -1)
-    a = jnp.concatenate([decays, jnp.broadcast_to(keep[:, None], (K, M))], axis=1)
-    b = jnp.concatenate([S.reshape(K, -1), counts[:, -1], sums[:, -1]], axis=1)
-    start = jnp.concatenate(
-        [
-            h0.reshape(-1),
-            jnp.zeros_like(counts[0, 0]),
-            jnp.sum(finite(h0)[0], axis=(1, 2)),
-        ]
-    )
+    keep = jnp.broadcast_to(keeps(resets, K, x.dtype)[:, None], (K, M))
+    a = jnp.concatenate([decays, keep], axis=1)
+    b = jnp.concatenate([S.reshape(K, -1), last_met], axis=1)
+    start = jnp.concatenate([h0.reshape(-1), jnp.zeros_like(last_met[0])])
     carried = linear_recurrence(a, b, start, scan=scan)
     entering = scan.shift(carried, start)
-    h_in, bad_in = finite(entering[:, : H * P * N].reshape(K, G, R, P, N))
+    h_in, bad_in = finite(entering[:, :-M].reshape(K, G, R, P, N))
+
+    def met_by_state(counts):
+        """`(..., H, P, N)`: whether the counts `(..., M)` of the `x`, `dt` and `B`
+        entries a state has met are not all zero."""
+        c_x, c_dt, c_B = jnp.split(counts > 0, [H * P, H * P + H], axis=-1)
+        c_x = c_x.reshape(*c_x.shape[:-1], H, P, 1)
+        c_B = jnp.repeat(c_B.reshape(*c_B.shape[:-1], G, 1, N), R, axis=-3)
+        return c_x | c_dt[..., None, None] | c_B
+
     # the steps of a chunk before its first reset read what enters it
-    reads = (
-        jnp.ones((K, chunk), bool)
-        if resets is None
-        else jnp.cumsum(resets, axis=1) == 0
-    )
-    before = lambda v: jnp.where(reads[..., None], v[:, None], 0)
-    counts = counts + before(jax.lax.stop_gradient(entering[:, -M:-H]))
-    sums = sums + before(entering[:, -H:])
-    counts = counts.reshape(K * chunk, -1)
-    met_x, met_dt, met_B = jnp.split(counts, [H * P, H * P + H], axis=1)
-    met_x, met_B = met_x.reshape(-1, H, P), met_B.reshape(-1, G, 1, N)
+    bad_in = bad_in.reshape(K, H, P, N) | met_by_state(entering[:, -M:])
+    bad_in = jnp.any(bad_in, axis=-1).reshape(K, 1, H * P)
+    met = (met > 0) | (bad_in & reads(resets, K, chunk)[..., None])
 
     y = jax.vmap(_chunk_output)(log_a, xdt, B, C, segment, flips, h_in)
     y = jnp.moveaxis(y, 3, 1).reshape(K * chunk, H, P)[:T]
@@ -214,19 +218,14 @@ def _run(
         y = y + D[None] * x
     if z is not None:
         y = y * jax.nn.silu(z)
-    link = 0 * (sums.reshape(K * chunk, H)[:T] + per_output)
-    y = finite_cotangent(y) + link[..., None]
-    bad_in = jnp.any(bad_in, axis=-1).reshape(K, 1, H, P) & reads[..., None, None]
-    bad_y = bad_y | bad_in.reshape(K * chunk, H, P)[:T] | (met_x[:T] > 0)
-    bad_y = bad_y | (met_dt[:T, :, None] > 0) | heads(jnp.any(met_B[:T] > 0, -1))
-    y = jnp.where(bad_y, jnp.nan, y)
+    h0_link = jnp.sum(finite(h0)[0], axis=(1, 2))
+    to_y, to_final = link(scan, chunks(per_step), chunks(per_output), resets, h0_link)
+    y = finite_cotangent(y) + to_y.reshape(K * chunk, H, 1)[:T]
+    y = jnp.where(bad_y | met.reshape(K * chunk, H, P)[:T], jnp.nan, y)
 
     last = carried[-1]
-    bad_h = (met_x[-1, :, :, None] > 0) | (met_dt[-1, :, None, None] > 0)
-    bad_h = bad_h | jnp.repeat(met_B[-1] > 0, R, axis=0)
-    link_h = 0 * last[-H:]
-    final = finite_cotangent(last[: H * P * N].reshape(H, P, N))
-    return y, jnp.where(bad_h, jnp.nan, final + link_h[:, None, None])
+    final = finite_cotangent(last[:-M].reshape(H, P, N)) + to_final[:, None, None]
+    return y, jnp.where(met_by_state(last[-M:]), jnp.nan, final)
 
 
 def _step(state, x, dt, A, B, C, D, z, dt_bias, softplus, limit, negative):
@@ -288,6 +287,14 @@ def ssd_scan(
     Differentiable in reverse and forward mode with respect to every array
     argument.
 
+    A value that is not finite (NaN or inf, in any array) reaches exactly the
+    outputs that depend on it, as in the recurrent form: the later steps of its
+    segment, never an earlier step nor another segment, and they are NaN (the
+    final state too). So packed documents stay independent whatever one of them
+    holds, in the derivatives as well: the gradient of a loss on one document is
+    that of a separate call on it, and a NaN cotangent of an output reaches only
+    the derivatives of what that output depends on.
+
     **Arguments:**
 
     - `x`: the input, shape `(T, H, P)`: `H` heads of `P` channels.
@@ -329,9 +336,10 @@ def ssd_scan(
 
     **Raises:**
 
-    `ValueError` for shapes that do not fit together, groups that do not divide
-    the heads, non-floating arrays, a `reset` that is not `(T,)` bools, a bad
-    `dt_limit` or `chunk_size`, or a `scan` that is not an
+    `ValueError` for a required array given as `None`, shapes that do not fit
+    together, an axis of size zero, groups that do not divide the heads,
+    non-floating arrays, a `reset` that is not `(T,)` bools, a bad `dt_limit` or
+    `chunk_size`, flags that are not bools, or a `scan` that is not an
     [`eqx_seq.AbstractScan`][].
 
     !!! Example
@@ -424,8 +432,9 @@ def ssd_step(
 
     **Raises:**
 
-    `ValueError` for shapes that do not fit together, groups that do not divide
-    the heads, non-floating arrays or a bad `dt_limit`.
+    `ValueError` for a required array given as `None`, shapes that do not fit
+    together, an axis of size zero, groups that do not divide the heads,
+    non-floating arrays, a bad `dt_limit` or flags that are not bools.
 
     !!! Example
 
