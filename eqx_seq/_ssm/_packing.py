@@ -7,7 +7,7 @@ and in the backward. So the chunks only ever meet finite values:
 - each non-finite input entry is replaced by zero (`finite`), and the outputs (and
   the final state) that depend on one are set to NaN afterwards by a select. Which
   ones do is counted: per step, the non-finite inputs since its segment's start
-  (`count_within`, inside a chunk; the scan carries them between chunks).
+  (`met_within` and `count_last`, inside a chunk; the scan carries them between chunks).
 - the cotangents of the outputs are made finite before they enter the chunks'
   products (`finite_cotangent`: a NaN cotangent at a finite output comes from the
   layers after it, e.g. a convolution's backward over a bad step). What a
@@ -36,14 +36,19 @@ def finite(v: Array) -> tuple[Array, Array]:
     return jnp.where(bad, jnp.zeros((), v.dtype), v), bad
 
 
+@jax.custom_jvp
 def finite_cotangent(v: Array) -> Array:
-    """`v`, whose cotangent has its non-finite entries replaced by zero."""
-    return jax.lax.custom_linear_solve(
-        lambda u: u,
-        v,
-        lambda _, u: u,
-        lambda _, g: jnp.where(jnp.isfinite(g), g, jnp.zeros((), g.dtype)),
-    )
+    """`v`, whose cotangent has its non-finite entries replaced by zero. Only the
+    tangent carries the rule, so a program that does not differentiate is left
+    as it was."""
+    return v
+
+
+@finite_cotangent.defjvp
+def _finite_cotangent_jvp(primals, tangents):
+    (v,), (dv,) = primals, tangents
+    clean = lambda _, g: jnp.where(jnp.isfinite(g), g, jnp.zeros((), g.dtype))
+    return v, jax.lax.custom_linear_solve(lambda u: u, dv, lambda _, u: u, clean)
 
 
 def segment_mask(starts: Array | None, Q: int) -> Array:
@@ -57,12 +62,22 @@ def segment_mask(starts: Array | None, Q: int) -> Array:
     return same
 
 
-def count_within(bad: Array, starts: Array | None) -> Array:
-    """How many of `bad` `(K, Q, M)` (zeros and ones) each step has met since its
-    segment started in its chunk: a product with the segment mask (no gradient
-    flows here)."""
-    same = segment_mask(starts, bad.shape[1]).astype(bad.dtype)
-    return jnp.einsum("kst,ktm->ksm", same, jax.lax.stop_gradient(bad))
+def met_within(bad: Array, starts: Array | None) -> Array:
+    """Whether each step has met one of `bad` `(K, Q, M)` (zeros and ones) since
+    its segment started in its chunk, `(K, Q, M)` bools: the counts, a product
+    with the segment mask (no gradient flows here). The counts are at most `Q`,
+    so several channels share one float, each in its own bits (integers the
+    mantissa holds exactly), which divides the product's work by their number."""
+    K, Q, M = bad.shape
+    bits = Q.bit_length()
+    per = max(1, (jnp.finfo(bad.dtype).nmant + 1) // bits)
+    scale = jnp.asarray([[[[2.0 ** (bits * j) for j in range(per)]]]], bad.dtype)
+    bad = jnp.pad(jax.lax.stop_gradient(bad), [(0, 0), (0, 0), (0, -M % per)])
+    packed = jnp.sum(bad.reshape(K, Q, -1, per) * scale, axis=-1)
+    same = segment_mask(starts, Q).astype(bad.dtype)
+    counts = jnp.einsum("kst,ktm->ksm", same, packed)[..., None] / scale
+    met = jnp.floor(counts) % jnp.asarray(2**bits, bad.dtype) > 0
+    return met.reshape(K, Q, -1)[..., :M]
 
 
 def count_last(bad: Array, starts: Array | None) -> Array:

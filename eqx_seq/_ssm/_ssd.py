@@ -26,11 +26,11 @@ from .._recurrence import linear_recurrence
 from .._scan import AbstractScan, AutoScan, check_scan
 from ._packing import (
     count_last,
-    count_within,
     finite,
     finite_cotangent,
     keeps,
     link,
+    met_within,
     reads,
 )
 from ._selective_core import log_decays
@@ -164,7 +164,7 @@ def _run(
     met = bad_x | bad_dt[..., None] | heads(jnp.any(bad_B, axis=-1))[..., None]
     bad = [bad_x.reshape(T, H * P), bad_dt, bad_B.reshape(T, G * N)]
     bad = chunks(jnp.concatenate(bad, axis=1).astype(x.dtype))
-    met = count_within(chunks(met.reshape(T, H * P).astype(x.dtype)), resets)
+    met = met_within(chunks(met.reshape(T, H * P).astype(x.dtype)), resets)
     last_met = count_last(bad, resets)
 
     log_a, below, zero = log_decays(dt * A[None], negative)
@@ -210,7 +210,7 @@ def _run(
     # the steps of a chunk before its first reset read what enters it
     bad_in = bad_in.reshape(K, H, P, N) | met_by_state(entering[:, -M:])
     bad_in = jnp.any(bad_in, axis=-1).reshape(K, 1, H * P)
-    met = (met > 0) | (bad_in & reads(resets, K, chunk)[..., None])
+    met = met | (bad_in & reads(resets, K, chunk)[..., None])
 
     y = jax.vmap(_chunk_output)(log_a, xdt, B, C, segment, flips, h_in)
     y = jnp.moveaxis(y, 3, 1).reshape(K * chunk, H, P)[:T]
