@@ -62,6 +62,21 @@ def test_discretize_matches_quadrature_and_closed_forms():
         Fr, Qr = van_loan_free(A, Qc, dt)
         np.testing.assert_allclose(F[i], Fr, rtol=1e-11, atol=1e-14)
         np.testing.assert_allclose(Q[i], Qr, rtol=1e-9, atol=1e-14)
+    # growth by a rotation beside a stable mode (the same program): at 1500, F's
+    # block e^{750} R(1.5) overflows to ±inf by the signs of cos 1.5 and sin 1.5,
+    # the stable mode's entries and the zeros between the two stay exact
+    w, dts = 1e-3, np.array([40.0, 1500.0])
+    A = np.array([[0.5, -w, 0.0], [w, 0.5, 0.0], [0.0, 0.0, -1.0]])
+    F, Q = eqx_seq.discretize(A, np.diag([0.2, 0.2, 0.8]), dts)
+    for i, dt in enumerate(dts):
+        c, s = np.cos(w * dt), np.sin(w * dt)
+        with np.errstate(over="ignore"):
+            grow = np.exp(0.5 * dt)
+            Fr = sl.block_diag(grow * np.array([[c, -s], [s, c]]), np.exp(-dt))
+            var = [0.2 * np.expm1(dt)] * 2 + [-0.4 * np.expm1(-2 * dt)]
+        np.testing.assert_allclose(F[i], Fr, rtol=1e-11)
+        np.testing.assert_allclose(np.diagonal(Q[i]), var, rtol=1e-11)
+        np.testing.assert_array_equal(Q[i, :2, 2], 0.0)  # the two blocks apart
 
     # Wiener velocity: F = [[1, dt], [0, 1]], Q = q [[dt^3/3, dt^2/2], [dt^2/2, dt]],
     # with a diffusion in large units and steps up to 1e5 (the exponential of the
@@ -73,16 +88,58 @@ def test_discretize_matches_quadrature_and_closed_forms():
         closed = q * np.array([[dt**3 / 3, dt**2 / 2], [dt**2 / 2, dt]])
         np.testing.assert_allclose(Q[i], closed, rtol=1e-11)
 
+    # an unstable and a stable mode (the same program) over steps whose F or Q
+    # overflows float64: inf where the exact value does, exact elsewhere, never NaN
+    # (Q was all NaN once an inf met a zero); from 1500, the covariance of the two
+    # modes is 0: its correlation, about e^{-dt/2}, is below the smallest float64
+    # (the documented limit)
+    a, l, q = np.array([0.5, -1.0]), np.array([1.0, 0.5]), 0.7
+    dts = np.array([0.0, 1.0, 300.0, 1000.0, 1500.0, 1e5])
+    F, Q = eqx_seq.discretize(np.diag(a), np.array([[q]]), dts, L=l[:, None])
+    s = a[:, None] + a[None, :]
+    Fr = np.zeros((len(dts), 2, 2))
+    with np.errstate(over="ignore"):
+        Fr[:, [0, 1], [0, 1]] = np.exp(a * dts[:, None])
+        Qr = q * np.outer(l, l) * np.expm1(s * dts[:, None, None]) / s
+    Qr[4:, [0, 1], [1, 0]] = 0.0
+    np.testing.assert_allclose(F, Fr, rtol=1e-12)
+    np.testing.assert_allclose(Q, Qr, rtol=1e-12)
+    assert np.all(np.isinf(F[4:, 0, 0])) and np.all(np.isinf(Q[3:, 0, 0]))
+
     # Ornstein-Uhlenbeck in float32, with gaps long against its time scale (the
-    # exponential of the Van Loan matrix alone would overflow: e^{lam dt})
-    lam, q = 1.5, 2.0
-    dts = np.array([0.2, 30.0, 200.0])
-    A32, Qc32 = jnp.array([[-lam]], jnp.float32), jnp.array([[q]], jnp.float32)
-    F, Q = eqx_seq.discretize(A32, Qc32, dts)
-    assert F.dtype == Q.dtype == jnp.float32
+    # exponential of the Van Loan matrix alone would overflow: e^{lam dt}), beside
+    # an unstable mode whose F and Q overflow (inf, and the OU entries exact), and
+    # the derivatives through both in the same program: through the steps that
+    # overflow, and at 50, where Q is finite but a masked doubling's F Q F^T was
+    # not (its inf times a zero cotangent made the derivative NaN)
+    lam, mu, q, p = 1.5, 0.6, 2.0, 0.5
+    dts = np.array([0.2, 30.0, 50.0, 100.0, 200.0])
+
+    def loss(rates):
+        Qc = jnp.diag(jnp.array([q, p], jnp.float32))
+        F, Q = eqx_seq.discretize(jnp.diag(rates), Qc, dts)
+        return jnp.sum(Q[:, 0, 0]) + 1e-25 * Q[2, 1, 1], (F, Q)
+
+    rates = jnp.array([-lam, mu], jnp.float32)
+    (_, (F, Q)), grad = jax.jit(jax.value_and_grad(loss, has_aux=True))(rates)
+    assert F.dtype == Q.dtype == grad.dtype == jnp.float32
     np.testing.assert_allclose(F[:, 0, 0], np.exp(-lam * dts), rtol=1e-5, atol=1e-30)
     closed = q / (2 * lam) * (1 - np.exp(-2 * lam * dts))
     np.testing.assert_allclose(Q[:, 0, 0], closed, rtol=1e-5)
+    with np.errstate(over="ignore"):
+        F_mu = np.exp(mu * dts).astype(np.float32)  # inf from 200
+        Q_mu = (p * np.expm1(2 * mu * dts) / (2 * mu)).astype(np.float32)  # from 100
+    # e^{mu dt} has condition mu dt = 60 at 100: 60 float32 roundings
+    np.testing.assert_allclose(F[:, 1, 1], F_mu, rtol=1e-4)
+    np.testing.assert_allclose(Q[:, 1, 1], Q_mu, rtol=1e-4)
+    np.testing.assert_array_equal(F[:, [0, 1], [1, 0]], 0.0)
+    np.testing.assert_array_equal(Q[:, [0, 1], [1, 0]], 0.0)
+
+    def dQ(q, a, t):  # d/da of q (e^{2at} - 1) / (2a)
+        return q * (t * np.exp(2 * a * t) / a - np.expm1(2 * a * t) / (2 * a * a))
+
+    expected = [sum(dQ(q, -lam, t) for t in dts), 1e-25 * dQ(p, mu, 50.0)]
+    np.testing.assert_allclose(grad, expected, rtol=1e-4)
 
 
 def irregular_data(T=25, seed=1):

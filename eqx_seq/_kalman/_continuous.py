@@ -19,7 +19,7 @@ from ._model import PriorAt
 
 
 # Doublings of a step at most: a step whose Van Loan matrix has a 1-norm up to
-# 2^32 is split into halves until that norm is at most 1 (see `_one_step`).
+# 2^32 is split into halves until that norm is at most 1 (see `_first_step`).
 _MAX_DOUBLINGS = 32
 
 
@@ -56,17 +56,18 @@ def _check_steps(dts: Any, strict: bool, msg: str) -> Any:
 
 
 @full_precision
-def _one_step(A: Array, G: Array, dt: Array) -> tuple[Array, Array]:
-    """`(F, Q)` of one step of length `dt`, with `G = L Qc L^T`.
+def _first_step(A: Array, G: Array, dt: Array) -> tuple[Array, Array, Array, Array]:
+    """`(F, Q / g, k, g)`: the step `dt / 2^k` that `k` doublings make `dt`, with
+    `G = L Qc L^T` and `g` its scale.
 
     Van Loan: `expm([[-A, G], [0, A^T]] dt) = [[., U], [0, V]]`, `F = V^T`,
     `Q = F U`. The exponential grows like `e^{|A| dt}` in its upper blocks, which
     overflows for a long step of a stable model (float32: `|A| dt` near 88), and
     `jax.scipy.linalg.expm` returns NaN beyond 16 squarings of its own. So a step
     whose matrix has a 1-norm `ν > 1` is computed for `dt / 2^k`, `k = ⌈log2 ν⌉`,
-    then doubled `k` times: `F ← F F`, `Q ← Q + F Q F^T` (a sum of positive
-    semi-definite terms). `G` enters linearly, so it is scaled to unit norm first,
-    and the scale put back on `Q`: its units never decide the number of halvings.
+    then doubled `k` times (`_doubled`). `G` enters linearly, so it is scaled to
+    unit norm first, and the scale put back on `Q`: its units never decide the
+    number of halvings.
     """
     n = A.shape[-1]
     g = lax.stop_gradient(jnp.max(jnp.sum(jnp.abs(G), axis=-2)))
@@ -77,16 +78,115 @@ def _one_step(A: Array, G: Array, dt: Array) -> tuple[Array, Array]:
     k = jnp.clip(jnp.ceil(jnp.log2(nu)), 0, _MAX_DOUBLINGS)
     E = jsl.expm(M / 2**k)
     F = mT(E[n:, n:])
-    Q = sym(F @ E[:n, n:])
+    return F, sym(F @ E[:n, n:]), k, g
+
+
+@full_precision
+def _doubled(F: Array, Q: Array, k: Array) -> tuple[Array, Array, Array]:
+    """`k` doublings of a step: `F ← F F`, `Q ← Q + F Q F^T` (a sum of positive
+    semi-definite terms), in a scan of fixed length that masks those beyond `k`,
+    and whether all `k` were done.
+
+    A doubling whose products could overflow (by a bound on their entries) is not
+    done, and its inputs are zeroed: an inf in a product, even one masked out,
+    would make the reverse-mode derivative NaN (a zero cotangent times the inf).
+    `_doubled_rescaled` does those steps.
+    """
+    n = F.shape[-1]
+    big = jnp.finfo(F.dtype).max / 4
 
     def double(carry, i):
-        F, Q = carry
-        doubled = (F @ F, sym(Q + F @ Q @ mT(F)))
+        F, Q, done = carry
+        f2 = n * jnp.max(jnp.abs(lax.stop_gradient(F))) ** 2
+        q = jnp.max(jnp.abs(lax.stop_gradient(Q)))
+        safe = (f2 <= big) & (q + n * f2 * q <= big)  # NaN (0 · inf): not safe
+        F, Q = jnp.where(safe, F, 0), jnp.where(safe, Q, 0)
+        doubled = (F @ F, sym(Q + F @ Q @ mT(F)), done + 1)
+        keep = (i < k) & safe
+        return jax.tree.map(lambda d, c: jnp.where(keep, d, c), doubled, carry), None
+
+    steps = jnp.arange(_MAX_DOUBLINGS, dtype=k.dtype)
+    (F, Q, done), _ = lax.scan(double, (F, Q, jnp.zeros_like(k)), steps)
+    return F, Q, done == k
+
+
+def _exponent(x: Array) -> Array:
+    """`⌊log2 |x|⌋` elementwise, `-inf` at 0; no derivative (a scale's exponent)."""
+    return jnp.floor(jnp.log2(jnp.abs(lax.stop_gradient(x))))
+
+
+def _finite_or_zero(e: Array) -> Array:
+    # the exponent of an all-zero row: any scale is exact, 0 keeps the sums finite
+    return jnp.where(jnp.isfinite(e), e, jnp.zeros_like(e))
+
+
+def _pow2(e: Array, dtype: Any) -> Array:
+    """`2^e` for integer-valued `e`, exactly (its bits are written, where `exp2`
+    may round), for `e` in the normal range; `e` at or below `-bias` gives 0, above
+    `bias` the largest power."""
+    info = jnp.finfo(dtype)
+    bias = info.maxexp - 1
+    itype = jnp.int32 if info.bits == 32 else jnp.int64
+    e = jnp.clip(e, -bias, bias).astype(itype)
+    return lax.bitcast_convert_type((e + bias) << info.nmant, dtype)
+
+
+def _times_pow2(x: Array, e: Array) -> Array:
+    """`x 2^e` rounded once, for any integer-valued `e`: ±inf where it overflows,
+    0 where it underflows or `x = 0` (never `0 · inf`), in three exact factors of
+    the sign of `e`, which cover every `e` whose product with a nonzero `x` of at
+    most a few units is representable."""
+    bias = jnp.finfo(x.dtype).maxexp - 1
+    for _ in range(3):
+        part = jnp.clip(e, 1 - bias, bias - 1)
+        x, e = x * _pow2(part, x.dtype), e - part
+    return x
+
+
+@full_precision
+def _doubled_rescaled(F: Array, Q: Array, k: Array, g: Array) -> tuple[Array, Array]:
+    """`_doubled`'s `(F, g Q)` for a step whose doublings may overflow: the
+    doublings of `F = D F̂` and `Q = D Q̂ D`, `D = diag(2^s)`, with each row of
+    `F̂` and diagonal entry of `Q̂` at most about 1 and one of them near 1, and only
+    the last products rounded to the dtype.
+
+    The products' sums are scaled by powers of two (exact) that bring their largest
+    term near 1, so an entry comes out as the plain doublings would give it with an
+    unbounded exponent range: ±inf where it overflows, and no `0 · inf` or
+    `inf - inf` (NaN) where a zero or a finite entry meets an overflowing one. An
+    entry smaller than the scale of its row (`2^{s_i}`, of `F`) or of its row and
+    column (`2^{s_i + s_j}`, of `Q`) by more than the dtype's range comes out 0.
+    """
+    dtype = F.dtype
+
+    def double(carry, i):
+        F, Q, s = carry
+        # F D: row i of F F and of F Q F^T is 2^{s_i} sum_j F̂_ij 2^{s_j} (...)_j,
+        # whose largest term is 2^{m_i}: H is F̂ D scaled by 2^{-m_i}
+        m = _finite_or_zero(jnp.max(s[None, :] + _exponent(F), axis=1))
+        H = F * _pow2(s[None, :] - m[:, None], dtype)
+        v = s + m
+        # both in the scale u, the larger of the old and the product's
+        u = jnp.maximum(s, v)
+        a, b = _pow2(s - u, dtype), _pow2(v - u, dtype)
+        F2 = (H @ F) * b[:, None]
+        Q2 = Q * a[:, None] * a[None, :] + (H @ Q @ mT(H)) * b[:, None] * b[None, :]
+        # back to rows of F̂ and a diagonal of Q̂ at most about 1 (and
+        # |Q̂_ij| <= sqrt(Q̂_ii Q̂_jj) bounds the rest)
+        row = _exponent(jnp.max(jnp.abs(F2), axis=1))
+        diag = jnp.floor(_exponent(jnp.diagonal(Q2)) / 2)
+        d = _finite_or_zero(jnp.maximum(row, diag))
+        c = _pow2(-d, dtype)
+        doubled = (F2 * c[:, None], sym(Q2 * c[:, None] * c[None, :]), u + d)
         keep = i < k
         return jax.tree.map(lambda d, c: jnp.where(keep, d, c), doubled, carry), None
 
-    (F, Q), _ = lax.scan(double, (F, Q), jnp.arange(_MAX_DOUBLINGS, dtype=k.dtype))
-    return F, g * Q
+    s = jnp.zeros(F.shape[-1], dtype)
+    steps = jnp.arange(_MAX_DOUBLINGS, dtype=k.dtype)
+    (F, Q, s), _ = lax.scan(double, (F, Q, s), steps)
+    eg = _exponent(g)
+    Q = _times_pow2(Q * (g * _pow2(-eg, dtype)), s[:, None] + s[None, :] + eg)
+    return _times_pow2(F, jnp.broadcast_to(s[:, None], F.shape)), Q
 
 
 def _discretize(
@@ -95,7 +195,20 @@ def _discretize(
     G = Qc if L is None else L @ Qc @ mT(L)
     with jax.default_matmul_precision("highest"):
         G = sym(G)
-    return jax.vmap(_one_step, in_axes=(None, None, 0))(A, G, dts)
+    F1, Q1, k, g = jax.vmap(_first_step, in_axes=(None, None, 0))(A, G, dts)
+    F, Q, done = jax.vmap(_doubled)(F1, Q1, k)
+    Q = g[:, None, None] * Q
+
+    def rescaled(F, Q):
+        # rematerialised in reverse mode: a `cond` computes the residuals of both
+        # branches, and this one's would be zeros as large as the loop's carries
+        Fr, Qr = jax.checkpoint(jax.vmap(_doubled_rescaled))(F1, Q1, k, g)
+        keep = done[:, None, None]
+        return jnp.where(keep, F, Fr), jnp.where(keep, Q, Qr)
+
+    # the doublings again, rescaled, only if a step's could overflow (or its input
+    # holds NaN): the plain ones are the cheaper loop
+    return lax.cond(jnp.all(done), lambda F, Q: (F, Q), rescaled, F, Q)
 
 
 def _check_model(A: Array, Qc: Array, L: Array | None, where: str) -> None:
@@ -137,6 +250,16 @@ def discretize(
     A long step is split into halves and recombined exactly, so that the
     exponential neither overflows nor depends on the units of `Qc`
     (`docs/devdocs/kalman.md`, "Continuous-time models").
+
+    Where the exact `F` or `Q` exceeds the dtype's range (an unstable `A` over a
+    long step), those entries are ±inf and the others exact (0 where the exact
+    value is 0 or underflows), never NaN, with finite derivatives for the finite
+    entries. An index's scale is the larger of its row of `F` and the square root
+    of its diagonal entry of `Q`: an entry smaller than the scale of its row (for
+    `F`; of its row and column for `Q`) by more than the dtype's range comes out 0
+    (the covariance of an overflowing and a finite state, say). Steps
+    are exact up to `dts * (‖A‖ + 1)` of about `2^32` (`‖A‖` the largest absolute
+    row or column sum of `A`); a longer one may come out NaN.
 
     **Arguments:**
 
