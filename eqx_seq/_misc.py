@@ -55,6 +55,30 @@ def check_real(
     raise ValueError(f"`{name}` must be {kind} number, got {value!r}.")
 
 
+def check_reals(
+    name: str, value: object, parts: tuple[str, ...], *, positive: bool = False
+) -> tuple[float, ...]:
+    """`value` as a tuple of floats, one per name in `parts`; a `ValueError` naming
+    `name` and the tuple it expects unless `value` is a tuple, list or 1-d array of
+    that many finite real numbers (`> 0` if `positive`)."""
+    kind = "finite positive" if positive else "finite real"
+    expected = f"a tuple ({', '.join(parts)}) of {len(parts)} {kind} numbers"
+    is_sequence = isinstance(value, (tuple, list)) or (
+        isinstance(value, (np.ndarray, jax.Array)) and np.ndim(value) == 1
+    )
+    if not is_sequence or len(value) != len(parts):
+        raise ValueError(f"`{name}` must be {expected}, got {value!r}.")
+    out = []
+    for part, v in zip(parts, value):
+        try:
+            out.append(check_real(part, v, positive=positive))
+        except ValueError:
+            raise ValueError(
+                f"`{name}` must be {expected}, got {value!r} ({part} = {v!r})."
+            ) from None
+    return tuple(out)
+
+
 def check_bool(name: str, value: object) -> bool:
     """`value` if it is a bool, else a `ValueError` naming `name`."""
     if not isinstance(value, bool):
@@ -89,11 +113,35 @@ def check_reset(reset, length: int, name: str) -> Array | None:
     return reset
 
 
-def check_sequence(x, size: int | None, name: str, features: str = "H") -> Array:
-    """`x` if it is one real floating sequence of shape `(T, size)` (any width if
-    `size` is `None`), `T >= 1`: the input check of every layer that takes one
-    sequence, time first, and leaves a batch to `jax.vmap`. `features` names the
-    width in the message."""
+def real_input(x, name: str, dtype=None, what: str = "input") -> Array:
+    """`x` as an array of real numbers, as the layers' `Real` annotations promise:
+    floating input as it is, integers (pixel values, counts) cast to `dtype`, the
+    layer's parameter dtype (JAX's default floating dtype if `None`); a
+    `ValueError` naming `name` for anything else. Bools are refused, as `Real`
+    refuses them (jaxtyping's: floating and integer dtypes): accepted here they
+    would pass without jaxtyping's runtime checks and fail with them."""
+    try:
+        x = jnp.asarray(x)
+    except (TypeError, ValueError):  # `None`, a string, a ragged list, ...
+        raise ValueError(
+            f"`{name}` needs a real {what} (floating or integer), got {x!r}."
+        ) from None
+    if jnp.issubdtype(x.dtype, jnp.floating):
+        return x
+    if jnp.issubdtype(x.dtype, jnp.integer):
+        return x.astype(default_floating_dtype() if dtype is None else dtype)
+    raise ValueError(
+        f"`{name}` needs a real {what} (floating or integer), got {x.dtype}."
+    )
+
+
+def check_sequence(
+    x, size: int | None, name: str, features: str = "H", dtype=None
+) -> Array:
+    """`x` if it is one real sequence of shape `(T, size)` (any width if `size` is
+    `None`), `T >= 1`: the input check of every layer that takes one sequence, time
+    first, and leaves a batch to `jax.vmap`. `features` names the width in the
+    message. Integer input is cast to `dtype` (`real_input`)."""
     x = jnp.asarray(x)
     width = features if size is None else f"{features}) = (T, {size}"
     if x.ndim != 2 or x.shape[0] == 0 or (size is not None and x.shape[1] != size):
@@ -101,9 +149,7 @@ def check_sequence(x, size: int | None, name: str, features: str = "H") -> Array
             f"`{name}` takes one unbatched sequence of shape (T, {width}) with "
             f"T >= 1, got shape {x.shape}; use `jax.vmap` for a batch."
         )
-    if not jnp.issubdtype(x.dtype, jnp.floating):
-        raise ValueError(f"`{name}` needs a real floating input, got {x.dtype}.")
-    return x
+    return real_input(x, name, dtype)
 
 
 def check_state(h0, shape: tuple[int, ...], name: str, what: str = "h0") -> Array:

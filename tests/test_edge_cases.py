@@ -274,6 +274,50 @@ def test_ssm_half_precision_inputs_are_computed_in_the_parameters_dtype(getkey):
     np.testing.assert_allclose(y, layer(u.astype(jnp.bfloat16).astype(jnp.float32)))
 
 
+def test_integer_input_is_cast_as_the_real_annotations_promise():
+    """Integer sequences (pixel values, counts) are cast to the parameters' dtype
+    in every sequence layer, model and step mode, as their `Real` annotations say
+    (the shared input check refused them: "needs a real floating input, got
+    int32"): the outputs equal the float calls', in one compiled program."""
+    f32, H, T = jnp.float32, 4, 5
+    k = iter(jr.split(jr.key(0), 16))
+    s5 = eqx_seq.S5(H, 4, dtype=f32, key=next(k))
+    mamba = eqx_seq.Mamba(H, state_size=2, dtype=f32, key=next(k))
+    mamba2 = eqx_seq.Mamba2(H, state_size=2, head_dim=4, dtype=f32, key=next(k))
+    recurrent = [
+        s5,
+        eqx_seq.LRU(H, 4, dtype=f32, key=next(k)),
+        eqx_seq.S5Block(s5, key=next(k)),
+        eqx_seq.RGLRU(H, dtype=f32, key=next(k)),
+        eqx_seq.HawkBlock(H, dtype=f32, key=next(k)),
+        mamba,
+        eqx_seq.MambaBlock(mamba),
+        mamba2,
+        eqx_seq.Mamba2Block(mamba2),
+    ]
+    others = [
+        eqx_seq.TridiagonalImplicit(H, dtype=f32, key=next(k)),
+        eqx_seq.SequenceClassifier(
+            H, 3, width=4, depth=1, state_size=2, dtype=f32, key=next(k)
+        ),
+        eqx_seq.DenoisingClassifier(
+            H, 3, kalman_state_size=2, width=4, depth=1, state_size=2, dtype=f32,
+            key=next(k),
+        ),
+    ]  # fmt: skip
+
+    def calls(x):
+        out = [layer(x) for layer in recurrent + others]
+        out += [layer.step(layer.init_state(), x[0])[1] for layer in recurrent]
+        return out + [s5(x, dt=x[:, 0] % 3 + 1)]  # integer steps too
+
+    x = jr.randint(jr.key(1), (T, H), 0, 256, jnp.int32)
+    ints, floats = jax.jit(lambda x: (calls(x), calls(x.astype(f32))))(x)
+    for a, b in zip(ints, floats, strict=True):
+        assert a.dtype == f32
+        np.testing.assert_array_equal(a, b)
+
+
 def test_s5_huge_hippo_block_is_refused_before_allocating(getkey):
     with pytest.raises(ValueError, match="blocks="):
         eqx_seq.S5(1, 2**15, key=getkey())
@@ -420,9 +464,11 @@ def test_mamba_block_names_its_own_bad_input():
             block(x)
         with pytest.raises(ValueError, match=r"MambaBlock.*\(T, 8\)"):
             block.final_state(x)
-    for x_t in [jnp.ones((1, 8)), jnp.ones(9), jnp.ones(8, jnp.int32)]:
+    for x_t in [jnp.ones((1, 8)), jnp.ones(9)]:
         with pytest.raises(ValueError, match=r"MambaBlock.step.*\(8,\)"):
             block.step(block.init_state(), x_t)
+    with pytest.raises(ValueError, match=r"MambaBlock.step.*real input.*complex"):
+        block.step(block.init_state(), jnp.ones(8, jnp.complex64))
     with pytest.raises(ValueError, match=r"`state` must be a pair.*got NoneType"):
         block.step(None, jnp.ones(8))
 

@@ -169,6 +169,13 @@ def test_bad_input(getkey):
         eqx_seq.Mamba2(6, head_dim=4, dt_min=0.1, dt_max=0.01, key=getkey())
     with pytest.raises(ValueError, match="float32 or float64"):
         eqx_seq.Mamba2(6, head_dim=4, dtype=jnp.float16, key=getkey())
+    for bad in [(1.0,), 1.0, "12", (1.0, 2.0, 3.0, 4.0), ("a", 2.0), None]:
+        with pytest.raises(ValueError, match=r"`A_init_range` must be a tuple \(low"):
+            eqx_seq.Mamba2(6, head_dim=4, A_init_range=bad, key=getkey())
+    with pytest.raises(ValueError, match=r"\(low = 0.0\)"):
+        eqx_seq.Mamba2(6, head_dim=4, A_init_range=(0.0, 1.0), key=getkey())
+    with pytest.raises(ValueError, match="low <= high"):
+        eqx_seq.Mamba2(6, head_dim=4, A_init_range=(2.0, 1.0), key=getkey())
     layer = _layer(getkey())
     with pytest.raises(ValueError, match="use `jax.vmap` for a batch"):
         layer(jnp.ones((2, 5, 8)))
@@ -180,8 +187,10 @@ def test_bad_input(getkey):
         layer(jnp.ones((5, 8)), h0=jnp.zeros(3))
     with pytest.raises(ValueError, match=r"got float64 of shape \(3,\)"):
         layer.step((jnp.zeros(3), jnp.zeros((4, 4, 3))), jnp.ones(8))
-    with pytest.raises(ValueError, match=r"takes one real floating input of shape"):
+    with pytest.raises(ValueError, match=r"takes one real input of shape"):
         layer.step(layer.init_state(), jnp.ones(5))
+    with pytest.raises(ValueError, match=r"`Mamba2.step` needs a real input"):
+        layer.step(layer.init_state(), jnp.ones(8, jnp.complex64))
     with pytest.raises(ValueError, match="must be a bool scalar"):
         layer.step(layer.init_state(), jnp.ones(8), reset=1)
     with pytest.raises(ValueError, match="must be an `eqx_seq.Mamba2`"):

@@ -718,6 +718,12 @@ def test_bad_input():
         make(unscented=(1e-3, 0.0, 0.0))
     with pytest.raises(ValueError, match="alpha"):
         make(unscented=(1.0, 2.0, -2.0))  # n + lambda = 0
+    # malformed tuples: a ValueError naming the argument, not zip's or float's
+    for bad in [(1.0, 2.0), 1.0, "abc", (1.0, 2.0, 3.0, 4.0), (1.0, "b", 0.0), None]:
+        with pytest.raises(ValueError, match=r"`unscented` must be a tuple \(alpha"):
+            make(unscented=bad)
+    with pytest.raises(ValueError, match=r"\(kappa = nan\)"):
+        make(unscented=(1.0, 2.0, np.nan))
     T = len(ys)
     means, covs = _prior_init(T)
     with pytest.raises(ValueError, match="`init` must be"):

@@ -517,8 +517,11 @@ def test_bad_input(getkey):
         layer(jnp.ones((2, T, H)))  # a batch without vmap
     with pytest.raises(ValueError, match="at least|T >= 1"):
         layer(jnp.ones((0, H)))
-    with pytest.raises(ValueError, match="floating"):
-        layer(jnp.ones((T, H), jnp.int32))
+    for dtype in (jnp.complex64, jnp.bool_):  # integers are cast (test_edge_cases)
+        with pytest.raises(ValueError, match="real input"):
+            layer(jnp.ones((T, H), dtype))
+    with pytest.raises(ValueError, match="real `dt`"):
+        layer(jnp.ones((T, H)), dt=jnp.ones(T, bool))
     with pytest.raises(ValueError, match=r"\(T,\)"):
         layer(jnp.ones((T, H)), dt=jnp.ones(T - 1))
     with pytest.raises(ValueError, match="h0"):

@@ -418,8 +418,8 @@ def test_mamba_rejects_bad_input(getkey):
         layer(jnp.ones((5, 3)))
     with pytest.raises(ValueError, match="one unbatched sequence"):
         layer(jnp.ones((2, 5, 4)))
-    with pytest.raises(ValueError, match="real floating"):
-        layer(jnp.ones((5, 4), jnp.int32))
+    with pytest.raises(ValueError, match="real input"):
+        layer(jnp.ones((5, 4), jnp.complex64))
     with pytest.raises(ValueError, match="conv_state, ssm_state"):
         layer(jnp.ones((5, 4)), h0=jnp.zeros((8, 3)))
     with pytest.raises(ValueError, match="real floating arrays of shapes"):

@@ -165,10 +165,11 @@ class SequenceClassifier(eqx.Module):
 
         Logits, shape `(num_classes,)`.
         """
+        dtype = self.encoder.weight.dtype
         x = check_sequence(
-            x, self.encoder.in_features, "SequenceClassifier", "in_features"
+            x, self.encoder.in_features, "SequenceClassifier", "in_features", dtype
         )
-        x = x.astype(self.encoder.weight.dtype)  # computed in the parameters' dtype
+        x = x.astype(dtype)  # computed in the parameters' dtype
         scan = self.scan.select()
         if mask is not None:
             mask = jnp.asarray(mask)

@@ -4,11 +4,11 @@ from typing import Literal
 
 import equinox as eqx
 import jax
-import jax.numpy as jnp
 import jax.random as jr
 from jaxtyping import Array, ArrayLike, Bool, Float, PRNGKeyArray, Real
 
 from .._kalman import KalmanFilter
+from .._misc import real_input
 from .._scan import AbstractScan, AutoScan
 from .._tridiagonal import TridiagonalImplicit
 from ._blocks import Mixer
@@ -102,8 +102,13 @@ class DenoisingClassifier(eqx.Module):
         )
 
     def features(self, x: Real[ArrayLike, " T F"]) -> Float[Array, " T N"]:
-        """The denoised features the classifier sees, shape `(T, kalman_state_size)`."""
-        return self.smoother(self.kalman(jnp.asarray(x)))
+        """The denoised features the classifier sees, shape `(T, kalman_state_size)`.
+        Integer `x` is cast to the parameters' dtype (and has no missing
+        entries)."""
+        # the Kalman filter itself takes floating observations only (NaN marks a
+        # missing entry); this layer's input is `Real`, as every sequence layer's
+        x = real_input(x, "DenoisingClassifier", self.kalman.m0.dtype)
+        return self.smoother(self.kalman(x))
 
     @jax.named_scope("eqx_seq.DenoisingClassifier")
     def __call__(

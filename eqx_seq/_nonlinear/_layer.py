@@ -16,6 +16,7 @@ from .._misc import (
     check_parameter_dtype,
     check_positive_int,
     check_real,
+    check_reals,
     vary_like,
 )
 from .._scan import AbstractScan, AutoScan
@@ -194,9 +195,9 @@ class NonlinearKalmanFilter(eqx.Module):
                 "eqx_seq.NonlinearKalmanFilter: per-step `Q` and `R` must have the "
                 f"same length T, got {sorted(lengths)}."
             )
-        unscented = Unscented(*(check_real(k, v) for k, v in zip(
-            ("alpha", "beta", "kappa"), unscented, strict=True
-        )))  # fmt: skip
+        unscented = Unscented(
+            *check_reals("unscented", unscented, ("alpha", "beta", "kappa"))
+        )
         sigma_points("unscented", n, unscented)  # refuses a negative weight
         self.transition, self.observation = transition, observation
         self.m0 = m0

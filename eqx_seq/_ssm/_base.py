@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import jax.random as jr
 from jaxtyping import Array, ArrayLike, Complex, Float, PRNGKeyArray, Real
 
-from .._misc import check_sequence, error_if_any
+from .._misc import check_sequence, error_if_any, real_input
 from .._recurrence import linear_recurrence
 from .._scan import AbstractScan, check_scan
 from ._recurrent import AbstractRecurrentLayer
@@ -114,7 +114,7 @@ class AbstractDiagonalSSM(AbstractRecurrentLayer):
 
     def _check_inputs(self, u: Array, dt, h0, *, streaming: bool) -> tuple:
         name = self._name()
-        u = check_sequence(u, self.input_size, name, "input_size")
+        u = check_sequence(u, self.input_size, name, "input_size", self.D.dtype)
         if dt is not None:
             dt = jnp.asarray(dt)
             if dt.shape != (u.shape[0],):
@@ -122,8 +122,7 @@ class AbstractDiagonalSSM(AbstractRecurrentLayer):
                     f"`dt` must have one relative step per time step, shape "
                     f"(T,) = ({u.shape[0]},), got shape {dt.shape}."
                 )
-            if not jnp.issubdtype(dt.dtype, jnp.floating):
-                raise ValueError(f"`dt` must be real floating, got {dt.dtype}.")
+            dt = real_input(dt, name, self.D.dtype, "`dt`")
             dt = error_if_any(
                 dt,
                 ~(jnp.isfinite(dt) & (dt > 0)),

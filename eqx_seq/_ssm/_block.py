@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import jax.random as jr
 from jaxtyping import Array, ArrayLike, Complex, Float, PRNGKeyArray, Real
 
-from .._misc import check_sequence
+from .._misc import check_sequence, real_input
 from ._base import AbstractDiagonalSSM
 from ._recurrent import AbstractRecurrentLayer
 
@@ -142,7 +142,7 @@ class S5Block(AbstractRecurrentLayer):
 
         Shape `(T, H)`.
         """
-        x = check_sequence(x, self.ssm.input_size, "S5Block")
+        x = check_sequence(x, self.ssm.input_size, "S5Block", dtype=self.ssm.D.dtype)
         z = self._normalise(x) if self.prenorm else x
         y = jax.vmap(self._activate)(self.ssm(z, dt=dt, h0=h0))
         mask = self.dropout(jnp.ones(y.shape[-1], y.dtype), key=key)
@@ -161,7 +161,7 @@ class S5Block(AbstractRecurrentLayer):
         h0: Complex[ArrayLike, " P"] | None = None,
     ) -> Complex[Array, " P"]:
         """The SSM's state after the last step of `x` (streaming in chunks)."""
-        x = check_sequence(x, self.ssm.input_size, "S5Block")
+        x = check_sequence(x, self.ssm.input_size, "S5Block", dtype=self.ssm.D.dtype)
         z = self._normalise(x) if self.prenorm else x
         return self.ssm.final_state(z, dt=dt, h0=h0)
 
@@ -186,6 +186,7 @@ class S5Block(AbstractRecurrentLayer):
                 f"`S5Block.step` takes one input of shape ({self.ssm.input_size},), "
                 f"got shape {x_t.shape}."
             )
+        x_t = real_input(x_t, "S5Block.step", self.ssm.D.dtype)
         z = self._normalise(x_t) if self.prenorm else x_t
         state, y = self.ssm.step(state, z, dt=dt)
         out = x_t.astype(y.dtype) + self._activate(y)

@@ -16,6 +16,7 @@ from .._misc import (
     check_reset,
     check_sequence,
     check_state,
+    real_input,
 )
 from .._scan import AbstractScan, AutoScan, check_scan
 from ._conv import CausalConv
@@ -181,7 +182,7 @@ class HawkBlock(AbstractRecurrentLayer):
         return x + _per_step(self.mlp_down, hidden)
 
     def _run(self, x, reset, h0) -> tuple[Array, tuple[Array, Array]]:
-        x = check_sequence(x, self.width, "HawkBlock")
+        x = check_sequence(x, self.width, "HawkBlock", dtype=self.rglru.a_param.dtype)
         reset = check_reset(reset, x.shape[0], "HawkBlock")
         conv_state, lru_state = (
             (None, None) if h0 is None else self._check_state(h0, "h0")
@@ -203,7 +204,7 @@ class HawkBlock(AbstractRecurrentLayer):
         x: Real[ArrayLike, " T W"],
         *,
         reset: Bool[ArrayLike, " T"] | Sequence[bool] | None = None,
-        h0: tuple[Real[ArrayLike, "conv L"], Real[ArrayLike, " L"]] | None = None,
+        h0: tuple[Float[ArrayLike, "conv L"], Float[ArrayLike, " L"]] | None = None,
         key: PRNGKeyArray | None = None,
     ) -> Float[Array, " T W"]:
         """**Arguments:**
@@ -227,7 +228,7 @@ class HawkBlock(AbstractRecurrentLayer):
         x: Real[ArrayLike, " T W"],
         *,
         reset: Bool[ArrayLike, " T"] | Sequence[bool] | None = None,
-        h0: tuple[Real[ArrayLike, "conv L"], Real[ArrayLike, " L"]] | None = None,
+        h0: tuple[Float[ArrayLike, "conv L"], Float[ArrayLike, " L"]] | None = None,
     ) -> tuple[Float[Array, "conv L"], Float[Array, " L"]]:
         """The state `(conv_state, rglru_state)` after the last step of `x`: calling
         the block chunk after chunk with `h0=` this state gives one call's outputs.
@@ -241,7 +242,7 @@ class HawkBlock(AbstractRecurrentLayer):
 
     def step(
         self,
-        state: tuple[Real[ArrayLike, "conv L"], Real[ArrayLike, " L"]],
+        state: tuple[Float[ArrayLike, "conv L"], Float[ArrayLike, " L"]],
         x_t: Real[ArrayLike, " W"],
         *,
         reset: bool | Bool[ArrayLike, ""] = False,
@@ -259,11 +260,12 @@ class HawkBlock(AbstractRecurrentLayer):
         `(state, y_t)`, `y_t` of shape `(width,)`.
         """
         x_t, reset = jnp.asarray(x_t), jnp.asarray(reset)
-        if x_t.shape != (self.width,) or not jnp.issubdtype(x_t.dtype, jnp.floating):
+        if x_t.shape != (self.width,):
             raise ValueError(
-                f"`HawkBlock.step` takes one real floating input of shape "
-                f"({self.width},), got {x_t.dtype} of shape {x_t.shape}."
+                f"`HawkBlock.step` takes one real input of shape ({self.width},), got "
+                f"{x_t.dtype} of shape {x_t.shape}."
             )
+        x_t = real_input(x_t, "HawkBlock.step", self.rglru.a_param.dtype)
         if reset.shape != () or reset.dtype != jnp.bool_:
             raise ValueError(
                 f"`reset` in `step` must be a bool scalar, got {reset.dtype} of shape "

@@ -176,7 +176,7 @@ class Mamba(AbstractRecurrentLayer):
     def _check(
         self, x: Array, h0, reset=None
     ) -> tuple[Array, MambaState | None, Array | None]:
-        x = check_sequence(x, self.input_size, "Mamba")
+        x = check_sequence(x, self.input_size, "Mamba", dtype=self.D.dtype)
         if h0 is not None:
             h0 = self._check_state(h0)
         reset = check_reset(reset, x.shape[0], "Mamba")

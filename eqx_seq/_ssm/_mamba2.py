@@ -17,14 +17,17 @@ from .._misc import (
     check_parameter_dtype,
     check_positive_int,
     check_real,
+    check_reals,
     check_reset,
     check_sequence,
+    real_input,
 )
 from .._scan import AbstractScan, AutoScan, check_scan
 from ._conv import CausalConv
 from ._mamba import linear_weight
 from ._recurrent import AbstractRecurrentLayer
-from ._ssd import check_dt_limit, ssd_scan, ssd_step
+from ._ssd import ssd_scan, ssd_step
+from ._ssd_checks import check_dt_limit
 
 
 # The state of `Mamba2` and `Mamba2Block`: the convolution's last `conv_size - 1`
@@ -157,9 +160,14 @@ class Mamba2(AbstractRecurrentLayer):
                 f"`ngroups` must divide the {heads} heads (E / head_dim = {E} / "
                 f"{head_dim}), got ngroups={ngroups}."
             )
-        lo, hi = (check_real("A_init_range", v, positive=True) for v in A_init_range)
+        lo, hi = check_reals(
+            "A_init_range", A_init_range, ("low", "high"), positive=True
+        )
         if not lo <= hi:
-            raise ValueError(f"`A_init_range` must be (low, high), got {A_init_range}.")
+            raise ValueError(
+                f"`A_init_range` must be (low, high) with low <= high, got "
+                f"{A_init_range!r}."
+            )
         dt_min = check_real("dt_min", dt_min, positive=True)
         dt_max = check_real("dt_max", dt_max, positive=True)
         if not dt_min < dt_max:
@@ -240,7 +248,7 @@ class Mamba2(AbstractRecurrentLayer):
         return tuple(parts)
 
     def _check(self, x, h0, reset) -> tuple[Array, Mamba2State | None, Array | None]:
-        x = check_sequence(x, self.input_size, "Mamba2")
+        x = check_sequence(x, self.input_size, "Mamba2", dtype=self.D.dtype)
         if h0 is not None:
             h0 = self._check_state(h0)
         reset = check_reset(reset, x.shape[0], "Mamba2")
@@ -379,13 +387,12 @@ class Mamba2(AbstractRecurrentLayer):
         `(state, y_t)`, `y_t` of shape `(input_size,)`.
         """
         x_t = jnp.asarray(x_t)
-        if x_t.shape != (self.input_size,) or not jnp.issubdtype(
-            x_t.dtype, jnp.floating
-        ):
+        if x_t.shape != (self.input_size,):
             raise ValueError(
-                f"`Mamba2.step` takes one real floating input of shape "
-                f"({self.input_size},), got {x_t.dtype} of shape {x_t.shape}."
+                f"`Mamba2.step` takes one real input of shape ({self.input_size},), "
+                f"got {x_t.dtype} of shape {x_t.shape}."
             )
+        x_t = real_input(x_t, "Mamba2.step", self.D.dtype)
         reset = jnp.asarray(reset)
         if reset.shape != () or reset.dtype != jnp.bool_:
             raise ValueError(f"`reset` in `step` must be a bool scalar, got {reset!r}.")

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike, Bool, Float, PRNGKeyArray, Real
 
-from .._misc import check_real, check_sequence
+from .._misc import check_real, check_sequence, real_input
 from ._mamba import Mamba, MambaState
 from ._mamba2 import Mamba2, Mamba2State
 from ._recurrent import AbstractRecurrentLayer
@@ -70,7 +70,9 @@ class _AbstractMambaBlock(AbstractRecurrentLayer):
         """
         with jax.named_scope(f"eqx_seq.{self._name}"):
             # checked before the norm, whose own error would name `RMSNorm`
-            x = check_sequence(x, self.mamba.input_size, self._name)
+            x = check_sequence(
+                x, self.mamba.input_size, self._name, dtype=self.mamba.D.dtype
+            )
             y = self.mamba(jax.vmap(self.norm)(x), reset=reset, h0=h0)
             mask = self.dropout(jnp.ones(y.shape[-1], y.dtype), key=key)
             return x.astype(y.dtype) + y * mask[None]
@@ -120,7 +122,10 @@ class _AbstractMambaBlock(AbstractRecurrentLayer):
         h0: MambaState | Mamba2State | None = None,
     ) -> MambaState | Mamba2State:
         """The layer's state after the last step of `x` (streaming)."""
-        z = jax.vmap(self.norm)(check_sequence(x, self.mamba.input_size, self._name))
+        x = check_sequence(
+            x, self.mamba.input_size, self._name, dtype=self.mamba.D.dtype
+        )
+        z = jax.vmap(self.norm)(x)
         return self.mamba.final_state(z, reset=reset, h0=h0)
 
     def step(
@@ -136,7 +141,8 @@ class _AbstractMambaBlock(AbstractRecurrentLayer):
 
         - `state`: the previous `(conv_state, ssm_state)`, as `init_state()` or
             the previous `step` returns it.
-        - `x_t`: this step's input, shape `(H,)`, real floating.
+        - `x_t`: this step's input, shape `(H,)`, real (integers are cast to the
+            parameters' dtype).
         - `reset`: whether a segment starts at this step (a bool scalar).
 
         **Returns:**
@@ -148,11 +154,12 @@ class _AbstractMambaBlock(AbstractRecurrentLayer):
         state = self._check_state(state)
         x_t = jnp.asarray(x_t)
         size = self.mamba.input_size
-        if x_t.shape != (size,) or not jnp.issubdtype(x_t.dtype, jnp.floating):
+        if x_t.shape != (size,):
             raise ValueError(
-                f"`{self._name}.step` takes one real floating input of shape "
-                f"({size},), got {x_t.dtype} of shape {x_t.shape}."
+                f"`{self._name}.step` takes one real input of shape ({size},), got "
+                f"{x_t.dtype} of shape {x_t.shape}."
             )
+        x_t = real_input(x_t, f"{self._name}.step", self.mamba.D.dtype)
         state, y = self.mamba.step(state, self.norm(x_t), reset=reset)
         return state, x_t.astype(y.dtype) + y
 

@@ -170,7 +170,7 @@ class RGLRU(AbstractRecurrentLayer):
     # ---------------------------------------------------------------- pieces
 
     def _check(self, x, reset, h0, name="RGLRU"):
-        x = check_sequence(x, self.input_size, name)
+        x = check_sequence(x, self.input_size, name, dtype=self.a_param.dtype)
         reset = check_reset(reset, x.shape[0], name)
         if h0 is not None:
             h0 = check_state(h0, (self.input_size,), name)
@@ -225,8 +225,9 @@ class RGLRU(AbstractRecurrentLayer):
 
         **Arguments:**
 
-        - `x`: the input sequence, shape `(T, input_size)`, real floating. One
-            example: `jax.vmap` over a batch.
+        - `x`: the input sequence, shape `(T, input_size)`, real (integers are
+            cast to the parameters' dtype). One example: `jax.vmap`
+            over a batch.
         - `reset`: optional bool mask, shape `(T,)`: `True` where a segment starts.
             There the state restarts from zero (`a_t := 0`, which replaces the
             state whatever it held, NaN and inf included; `h0` is ignored at a reset

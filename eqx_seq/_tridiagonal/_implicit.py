@@ -5,7 +5,7 @@ import jax
 import jax.numpy as jnp
 import jax.random as jr
 from jax.typing import DTypeLike
-from jaxtyping import Array, ArrayLike, Float, PRNGKeyArray
+from jaxtyping import Array, ArrayLike, Float, PRNGKeyArray, Real
 
 from .._misc import (
     check_positive_int,
@@ -115,10 +115,13 @@ class TridiagonalImplicit(eqx.Module):
         self.scan = scan
 
     def _check(self, x: ArrayLike) -> Array:
-        return check_sequence(x, self.channels, "TridiagonalImplicit", "channels")
+        dtype = self.coupling_logit.dtype
+        return check_sequence(
+            x, self.channels, "TridiagonalImplicit", "channels", dtype
+        )
 
     def couplings(
-        self, x: Float[ArrayLike, " T channels"]
+        self, x: Real[ArrayLike, " T channels"]
     ) -> Float[Array, " T-1 channels"]:
         r"""The couplings $\kappa_t \ge 0$ between steps `t` and `t + 1`.
 
@@ -128,7 +131,8 @@ class TridiagonalImplicit(eqx.Module):
 
         **Returns:**
 
-        Shape `(T - 1, channels)`, in the dtype of `x`.
+        Shape `(T - 1, channels)`, in the dtype of `x` (of the parameters for
+        integer `x`).
         """
         x = self._check(x)
         logit = self.coupling_logit.astype(x.dtype)
@@ -143,7 +147,7 @@ class TridiagonalImplicit(eqx.Module):
         )
 
     def diagonals(
-        self, x: Float[ArrayLike, " T channels"]
+        self, x: Real[ArrayLike, " T channels"]
     ) -> tuple[
         Float[Array, " T channels"],
         Float[Array, " T channels"],
@@ -157,7 +161,8 @@ class TridiagonalImplicit(eqx.Module):
 
         **Returns:**
 
-        `(lower, diag, upper)`, each `(T, channels)` in the dtype of `x`, in the
+        `(lower, diag, upper)`, each `(T, channels)` in the dtype of `x` (as in
+        `couplings`), in the
         convention of [`eqx_seq.tridiagonal_solve`][] (`lower[0]` and `upper[-1]`
         are zero).
         """
@@ -169,7 +174,7 @@ class TridiagonalImplicit(eqx.Module):
 
     @jax.named_scope("eqx_seq.TridiagonalImplicit")
     def __call__(
-        self, x: Float[ArrayLike, " T channels"], *, key: PRNGKeyArray | None = None
+        self, x: Real[ArrayLike, " T channels"], *, key: PRNGKeyArray | None = None
     ) -> Float[Array, " T channels"]:
         """**Arguments:**
 
@@ -178,12 +183,13 @@ class TridiagonalImplicit(eqx.Module):
 
         **Returns:**
 
-        `y = A^{-1} x`, shape `(T, channels)`, in the dtype of `x`.
+        `y = A^{-1} x`, shape `(T, channels)`, in the dtype of `x`; integer `x` is
+        cast to the parameters' dtype.
 
         **Raises:**
 
         `ValueError` at trace time for a shape other than `(T, channels)` or a
-        non-floating input.
+        complex input.
         """
         del key
         x = self._check(x)
