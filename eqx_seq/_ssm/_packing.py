@@ -64,20 +64,10 @@ def segment_mask(starts: Array | None, Q: int) -> Array:
 
 def met_within(bad: Array, starts: Array | None) -> Array:
     """Whether each step has met one of `bad` `(K, Q, M)` (zeros and ones) since
-    its segment started in its chunk, `(K, Q, M)` bools: the counts, a product
-    with the segment mask (no gradient flows here). The counts are at most `Q`,
-    so several channels share one float, each in its own bits (integers the
-    mantissa holds exactly), which divides the product's work by their number."""
-    K, Q, M = bad.shape
-    bits = Q.bit_length()
-    per = max(1, (jnp.finfo(bad.dtype).nmant + 1) // bits)
-    scale = jnp.asarray([[[[2.0 ** (bits * j) for j in range(per)]]]], bad.dtype)
-    bad = jnp.pad(jax.lax.stop_gradient(bad), [(0, 0), (0, 0), (0, -M % per)])
-    packed = jnp.sum(bad.reshape(K, Q, -1, per) * scale, axis=-1)
-    same = segment_mask(starts, Q).astype(bad.dtype)
-    counts = jnp.einsum("kst,ktm->ksm", same, packed)[..., None] / scale
-    met = jnp.floor(counts) % jnp.asarray(2**bits, bad.dtype) > 0
-    return met.reshape(K, Q, -1)[..., :M]
+    its segment started in its chunk, `(K, Q, M)` bools: a product of the counts
+    with the segment mask (no gradient flows here)."""
+    same = segment_mask(starts, bad.shape[1]).astype(bad.dtype)
+    return jnp.einsum("kst,ktm->ksm", same, jax.lax.stop_gradient(bad)) > 0
 
 
 def count_last(bad: Array, starts: Array | None) -> Array:
