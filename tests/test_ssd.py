@@ -2,6 +2,8 @@
 float64 NumPy loop for the values, the same loop in `jax.numpy` for the
 derivatives (autodiff through the steps), and finite differences."""
 
+import functools as ft
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -236,6 +238,55 @@ def test_half_precision_is_computed_in_float32():
     np.testing.assert_array_equal(
         y, eqx_seq.ssd_scan(**single, chunk_size=4).astype(jnp.bfloat16)
     )
+
+
+def test_batched_gradient_equals_each_example():
+    """`jax.grad` of a loss summed over a `jax.vmap` of `ssd_scan` (as a model's
+    batch is trained), with per-example or shared `h0` and resets and a shared `A`:
+    the sums of the examples' gradients, each computed alone."""
+    arrays, rng = draw(9, 2, 2, 1, 3, seed=6)
+    arrays["dt"] = np.abs(arrays["dt"])
+    A = jnp.asarray(arrays.pop("A"))
+    batch = {
+        k: jnp.asarray(np.stack([v, rng.normal(size=v.shape)]))
+        for k, v in arrays.items()
+    }
+    batch["dt"] = jnp.abs(batch["dt"])
+    batch["h0"] = jnp.asarray(rng.normal(size=(2, 2, 2, 3)))
+    reset = jnp.asarray(np.array([[0, 0, 0, 1, 0, 0, 0, 0, 0], [0] * 9], bool))
+
+    def loss(A, x, dt, B, C, h0, reset):
+        y, h = eqx_seq.ssd_scan(
+            x, dt, A, B, C, h0=h0, reset=reset, chunk_size=4,
+            return_final_state=True,
+        )  # fmt: skip
+        return jnp.sum(jnp.sin(y)) + jnp.sum(h**2)
+
+    args = [batch[k] for k in ("x", "dt", "B", "C", "h0")] + [reset]
+    one = jax.jit(jax.grad(loss, range(6)))
+
+    @ft.partial(jax.jit, static_argnums=0)
+    def batched(axes, *args):
+        total = lambda *a: jnp.sum(jax.vmap(loss, axes)(*a))
+        return jax.grad(total, range(6))(*args)
+
+    # per-example `h0` and resets, then one `h0` shared by the batch and no resets
+    for axes, args in [
+        ((None, 0, 0, 0, 0, 0, 0), args),
+        ((None, 0, 0, 0, 0, None, None), args[:4] + [args[4][0], None]),
+    ]:
+        got = batched(axes, A, *args)
+        each = [
+            one(A, *(a if ax is None else a[i] for a, ax in zip(args, axes[1:])))
+            for i in range(2)
+        ]
+        for k, axis in enumerate(axes[:6]):
+            want = (
+                sum(e[k] for e in each)
+                if axis is None
+                else jnp.stack([e[k] for e in each])
+            )
+            np.testing.assert_allclose(got[k], want, rtol=1e-12, atol=1e-14)
 
 
 def test_gradient_keeps_chunk_states_not_step_states():

@@ -108,7 +108,15 @@ def link(scan, per_step: Array, per_output: Array, starts, h0: Array):
     (from `h0` before the first reset), plus `per_output`. Added to outputs, its
     transpose gives a NaN derivative to what each output with a non-finite
     cotangent depends on. The sums are only computed when differentiating."""
-    return jnp.zeros_like(per_output), jnp.zeros_like(h0)
+    # zeros computed from every input, so that under `jax.vmap` they are batched
+    # as the tangents are (a `zeros_like` of a batched input is not)
+    inputs = (per_step, per_output, h0) + (() if starts is None else (starts,))
+    touched = sum(jnp.sum(v).astype(per_output.dtype) for v in inputs)
+    zero = jax.lax.select(False, touched, jnp.zeros((), touched.dtype))
+    return (
+        jnp.broadcast_to(zero.astype(per_output.dtype), per_output.shape),
+        jnp.broadcast_to(zero.astype(h0.dtype), h0.shape),
+    )
 
 
 @link.defjvp
