@@ -167,11 +167,12 @@ def case(name, seed=0):
 
 def settled(kf, ys, us=None):
     """Whether the steady-state path is taken (white-box: the filter's own test)."""
-    from eqx_seq._kalman._fisher import _steady_log_likelihood
+    from eqx_seq._kalman._filter import filter_steady
     from eqx_seq._kalman._model import prepare
 
     def run(kf, ys, us):
-        return _steady_log_likelihood(prepare(kf._model(), ys, us, "complete"))[1]
+        problem = prepare(kf._model(), ys, us, "complete")
+        return filter_steady(problem, exact_fallback=False)[1]
 
     return bool(eqx.filter_jit(run)(kf, ys, us))
 

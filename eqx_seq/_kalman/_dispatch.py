@@ -8,6 +8,7 @@ from typing import TypeVar
 import jax
 import jax.lax as lax
 import jax.numpy as jnp
+from jax.extend.core import jaxpr_as_fun
 from jaxtyping import Array
 
 from .._misc import full_precision
@@ -17,7 +18,7 @@ from ._filter import (
     filter_exact,
     filter_sequential,
     filter_steady,
-    may_settle,
+    head_steps,
 )
 from ._interface import (
     KalmanFilterResult,
@@ -27,6 +28,7 @@ from ._linalg import chol
 from ._model import (
     all_observed,
     Model,
+    per_step,
     prepare,
     Problem,
     Whitening,
@@ -76,6 +78,37 @@ def by_whitening(
     return lax.cond(all_observed(~jnp.isnan(ys)), *branches)
 
 
+def steady_applies(model: Model, ys: Array, scan: AbstractScan) -> bool:
+    """Static: whether the steady-state algorithms may apply, which `steady_or_exact`
+    then tries: the sequential backend, the layer's `steady_state` switch on, no
+    diffuse prior, a time-invariant model (`F`, `Q`, `H`, `R` one matrix each) and
+    steps to spare after the exact head (`_filter.head_steps`)."""
+    if scan.parallel or not model.steady_state or model.initialization == "diffuse":
+        return False
+    varies = any(per_step(a, 2) for a in (model.F, model.L_Q, model.H, model.L_R))
+    return not varies and ys.shape[0] > head_steps(model.F.dtype) + 1
+
+
+def steady_or_exact(
+    ys: Array, steady: Callable[[], tuple[_Out, Array]], exact: Callable[[str], _Out]
+) -> _Out:
+    """`steady()`'s result where every entry of `ys` is observed and the covariance
+    settled (`steady` returns `(out, settled)` and prepares its own complete-data
+    problem), else `exact("missing")`.
+
+    The exact algorithm appears once in the program: the missing-data whitening
+    serves complete data as well, so there is no exact complete-data copy, neither
+    beside the missing-data one nor behind the steady state. `steady` is traced
+    once; the branch for data with missing entries returns zeros of its shape.
+    """
+    closed, shapes = jax.make_jaxpr(steady, return_shape=True)()
+    tree = jax.tree.structure(shapes)
+    run = lambda: jax.tree.unflatten(tree, jaxpr_as_fun(closed)())
+    skip = lambda: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+    out, settled = lax.cond(all_observed(~jnp.isnan(ys)), run, skip)
+    return lax.cond(settled, lambda: out, lambda: exact("missing"))
+
+
 def filter_problem(
     problem: Problem, scan: AbstractScan, *, steady_state: bool, square_root: bool
 ) -> KalmanFilterResult:
@@ -89,32 +122,28 @@ def filter_problem(
 
 
 def smooth_problem(
-    problem: Problem,
-    scan: AbstractScan,
-    square_root: bool = True,
-    steady_state: bool = False,
+    problem: Problem, scan: AbstractScan, square_root: bool = True
 ) -> KalmanSmootherResult:
     """The smoother from the filtered means and covariance factors (square-root,
-    unless `square_root` is off). With `steady_state` (sequential backend,
-    square-root form) the filter is the steady-state one where its covariance
-    settles, whose fixed factor gives the tail one smoother element (a `lax.cond`
-    on the model alone, as the gradient's); else every filter step is exact."""
+    unless `square_root` is off), every filter step exact."""
     model = problem.model
     if scan.parallel:
         filtered, factors = filter_parallel(problem, scan, square_root=square_root)
         return smooth_parallel(model, filtered, factors, scan)
-    if steady_state and square_root and may_settle(problem):
-        filtered, settled, factors = filter_steady(
-            problem, exact_fallback=False, factors=True
-        )
-        return lax.cond(
-            settled,
-            lambda: smooth_sequential(model, filtered, factors),
-            lambda: smooth_problem(problem, scan),
-        )
     filtered, carries = filter_exact(problem, square_root=square_root)
     factors = carries if square_root else chol(carries)
     return smooth_sequential(model, filtered, factors)
+
+
+def smooth_steady(problem: Problem) -> tuple[KalmanSmootherResult, Array]:
+    """The smoother of a problem that the steady state may apply to (square-root
+    form), from the steady-state filter, whose fixed factor gives the tail one
+    smoother element; and whether the filter's covariance settled (if not, the
+    result is not the smoother's)."""
+    filtered, settled, factors = filter_steady(
+        problem, exact_fallback=False, factors=True
+    )
+    return smooth_sequential(problem.model, filtered, factors), settled
 
 
 @full_precision
@@ -122,16 +151,25 @@ def filter_(
     model: Model, ys: Array, us: Array | None, scan: AbstractScan
 ) -> KalmanFilterResult:
     """The filter of `model` on `ys` and `us` (checked) with the backend `scan`."""
-    switches = dict(steady_state=model.steady_state, square_root=model.square_root)
+    square_root = model.square_root
 
-    def work(whitening):
+    def exact(whitening):
         problem = prepare(model, ys, us, whitening)
-        run = lambda problem: filter_problem(problem, scan, **switches)
+        run = lambda problem: filter_problem(
+            problem, scan, steady_state=model.steady_state, square_root=square_root
+        )
         if model.initialization == "diffuse":
             return filter_diffuse(problem, run)
         return run(problem)
 
-    return by_whitening(ys, scan, work)
+    if not steady_applies(model, ys, scan):
+        return by_whitening(ys, scan, exact)
+    steady = lambda: filter_steady(
+        prepare(model, ys, us, "complete"),
+        square_root=square_root,
+        exact_fallback=False,
+    )
+    return steady_or_exact(ys, steady, exact)
 
 
 @full_precision
@@ -139,13 +177,8 @@ def smooth(
     model: Model, ys: Array, us: Array | None, scan: AbstractScan
 ) -> KalmanSmootherResult:
     """The smoother of `model` on `ys` and `us` (checked) with the backend `scan`."""
-    return by_whitening(
-        ys,
-        scan,
-        lambda whitening: smooth_problem(
-            prepare(model, ys, us, whitening),
-            scan,
-            model.square_root,
-            model.steady_state,
-        ),
-    )
+    exact = lambda w: smooth_problem(prepare(model, ys, us, w), scan, model.square_root)
+    if not (model.square_root and steady_applies(model, ys, scan)):
+        return by_whitening(ys, scan, exact)
+    steady = lambda: smooth_steady(prepare(model, ys, us, "complete"))
+    return steady_or_exact(ys, steady, exact)

@@ -12,8 +12,13 @@ import jax.numpy as jnp
 from jaxtyping import Array
 
 from .._scan import AbstractScan
-from ._dispatch import by_whitening, smooth_problem
-from ._filter import affine_scan, filter_steady, head_steps, may_settle
+from ._dispatch import (
+    by_whitening,
+    smooth_problem,
+    steady_applies,
+    steady_or_exact,
+)
+from ._filter import affine_scan, filter_steady, head_steps
 from ._linalg import (
     bmm,
     gram,
@@ -244,9 +249,11 @@ def _smoothed(model: Model, ys, us, scan: AbstractScan, per_step: bool):
     and the smoother converges, else from the smoother."""
     L_R = model.L_R
 
-    def exact(problem, complete):
+    def exact(whitening):
+        problem = prepare(model, ys, us, whitening)
         sm = smooth_problem(problem, scan)
         ms, Ps, cross = sm.means, sm.covs, sm.cross_covs
+        complete = whitening == "complete"
         obs = _completed_observations(
             problem, ms, Ps, ys, us, L_R, model.D, per_step, complete
         )
@@ -255,19 +262,17 @@ def _smoothed(model: Model, ys, us, scan: AbstractScan, per_step: bool):
         ll = sm.filtered.log_likelihood
         return SmoothedSums(ms, sm.covs[0], sm.covs[-1], Ps, cross, ll), obs
 
-    def work(whitening):
-        problem = prepare(model, ys, us, whitening)
-        complete = whitening == "complete"
-        steady = not (per_step or scan.parallel) and model.steady_state
-        if not (complete and steady and may_settle(problem)):
-            return exact(problem, complete)
+    def steady():
+        problem = prepare(model, ys, us, "complete")
         sums, ok = smoothed_sums_steady(problem)
         obs = _completed_observations(
-            problem, None, None, ys, us, L_R, model.D, per_step, complete
+            problem, None, None, ys, us, L_R, model.D, per_step, True
         )
-        return lax.cond(ok, lambda: (sums, obs), lambda: exact(problem, complete))
+        return (sums, obs), ok
 
-    return by_whitening(ys, scan, work)
+    if per_step or not steady_applies(model, ys, scan):
+        return by_whitening(ys, scan, exact)
+    return steady_or_exact(ys, steady, exact)
 
 
 def sequence_moments(

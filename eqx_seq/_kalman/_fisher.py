@@ -3,22 +3,28 @@
 complete-data log-likelihood at the smoother's moments, so that reverse mode costs
 one filter, one smoother and a batched gradient, with no autodiff through the loop
 (Shumway & Stoffer, J. Time Series Analysis 1982; Segal & Weinstein, Proc. IEEE
-1989). Where the steady state applies, plain autodiff through the steady-state
-filter is cheaper, and is used instead. See `docs/devdocs/kalman.md`, "Fisher's
-identity".
+1989). Where the steady state applies, the smoother is the steady-state one (its
+tail shares one element). See `docs/devdocs/kalman.md`, "Fisher's identity".
 """
 
 import equinox as eqx
 import jax
-import jax.lax as lax
 import jax.numpy as jnp
 import jax.scipy.linalg as jsl
 from jaxtyping import Array
 
 from .._misc import full_precision, vary_like
 from .._scan import AbstractScan
-from ._dispatch import by_whitening, filter_, smooth_problem
-from ._filter import filter_steady, first_prediction, may_settle
+from ._dispatch import (
+    by_whitening,
+    filter_,
+    smooth_problem,
+    smooth_steady,
+    steady_applies,
+    steady_or_exact,
+)
+from ._filter import first_prediction
+from ._interface import KalmanSmootherResult
 from ._linalg import bmm, cho_solve, eye_like, LOG_2PI, mT
 from ._model import bt, Model, per_step, prepare, Problem
 
@@ -81,38 +87,12 @@ def _expected_log_joint(problem: Problem, stats) -> Array:
     return ll - 0.5 * (num_obs * LOG_2PI + quad) - jnp.sum(problem.logdet)
 
 
-def _steady_log_likelihood(
-    problem: Problem, square_root: bool = True
-) -> tuple[Array, Array]:
-    """The log-likelihood through the steady-state filter, and whether its
-    covariance settled (if not, the value is not the log-likelihood)."""
-    result, settled = filter_steady(
-        problem, square_root=square_root, exact_fallback=False
-    )
-    return result.log_likelihood, settled
-
-
-def _value_and_cotangent(
-    problem: Problem, scan: AbstractScan, *, steady_state: bool, square_root: bool
-):
-    """The log-likelihood and its gradient with respect to `problem`."""
-
-    def fisher():
-        sm = smooth_problem(problem, scan, square_root)
-        stats = (sm.means, sm.covs, sm.cross_covs)
-        grad = eqx.filter_grad(_expected_log_joint)(problem, stats)
-        return sm.filtered.log_likelihood, grad
-
-    if scan.parallel or not (steady_state and may_settle(problem)):
-        return fisher()
-    # complete data (`W` one matrix), time-invariant model: plain autodiff through
-    # the steady-state filter, cheaper than the smoother, when its covariance
-    # settled (which depends on the model only, so the `cond` stays a branch under
-    # `vmap` over sequences); else Fisher's identity
-    (value, settled), grad = eqx.filter_value_and_grad(
-        _steady_log_likelihood, has_aux=True
-    )(problem, square_root)
-    return lax.cond(settled, lambda: (value, grad), fisher)
+def _value_and_cotangent(problem: Problem, sm: KalmanSmootherResult):
+    """The log-likelihood and its gradient with respect to `problem`, from the
+    smoother's moments (Fisher's identity)."""
+    stats = (sm.means, sm.covs, sm.cross_covs)
+    grad = eqx.filter_grad(_expected_log_joint)(problem, stats)
+    return sm.filtered.log_likelihood, grad
 
 
 @full_precision
@@ -128,7 +108,6 @@ def fisher_log_likelihood(
     (Hessians) goes through the smoother by plain autodiff.
     """
     params, static = eqx.partition(model, eqx.is_inexact_array)
-    switches = dict(steady_state=model.steady_state, square_root=model.square_root)
 
     @jax.custom_jvp
     def log_likelihood(params, ys, us):
@@ -143,17 +122,26 @@ def fisher_log_likelihood(
         data = (ys,) if us is None else (ys, us)
         params = jax.tree.map(lambda p: vary_like(p, *data), params)
 
-        def value_and_grads(whitening):
+        def value_and_grads(whitening, steady=False):
             problem, pullback = eqx.filter_vjp(
                 lambda p, y, u: prepare(eqx.combine(p, static), y, u, whitening),
                 params,
                 ys,
                 us,
             )
-            value, cotangent = _value_and_cotangent(problem, scan, **switches)
-            return value, pullback(cotangent)
+            if steady:
+                sm, settled = smooth_steady(problem)
+            else:
+                sm = smooth_problem(problem, scan, model.square_root)
+            value, cotangent = _value_and_cotangent(problem, sm)
+            out = value, pullback(cotangent)
+            return (out, settled) if steady else out
 
-        value, grads = by_whitening(ys, scan, value_and_grads)
+        if model.square_root and steady_applies(model, ys, scan):
+            steady = lambda: value_and_grads("complete", steady=True)
+            value, grads = steady_or_exact(ys, steady, value_and_grads)
+        else:
+            value, grads = by_whitening(ys, scan, value_and_grads)
         dot = sum(
             (
                 jnp.vdot(g, t)
