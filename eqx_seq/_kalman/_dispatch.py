@@ -11,7 +11,7 @@ import jax.numpy as jnp
 from jax.extend.core import jaxpr_as_fun
 from jaxtyping import Array
 
-from .._misc import full_precision
+from .._misc import full_precision, zeros_like_inputs
 from .._scan import AbstractScan, check_scan
 from ._diffuse import filter_diffuse
 from ._filter import (
@@ -90,7 +90,11 @@ def steady_applies(model: Model, ys: Array, scan: AbstractScan) -> bool:
 
 
 def steady_or_exact(
-    ys: Array, steady: Callable[[], tuple[_Out, Array]], exact: Callable[[str], _Out]
+    ys: Array,
+    steady: Callable[[], tuple[_Out, Array]],
+    exact: Callable[[str], _Out],
+    *,
+    remat: bool = False,
 ) -> _Out:
     """`steady()`'s result where every entry of `ys` is observed and the covariance
     settled (`steady` returns `(out, settled)` and prepares its own complete-data
@@ -99,12 +103,19 @@ def steady_or_exact(
     The exact algorithm appears once in the program: the missing-data whitening
     serves complete data as well, so there is no exact complete-data copy, neither
     beside the missing-data one nor behind the steady state. `steady` is traced
-    once; the branch for data with missing entries returns zeros of its shape.
+    once; the branch for data with missing entries returns zeros of its type
+    (varying under `jax.shard_map` like the data, as what `prepare` makes does).
+    `remat`: as `by_whitening`'s.
     """
     closed, shapes = jax.make_jaxpr(steady, return_shape=True)()
     tree = jax.tree.structure(shapes)
+
     run = lambda: jax.tree.unflatten(tree, jaxpr_as_fun(closed)())
-    skip = lambda: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+    skip = lambda: jax.tree.map(
+        lambda s: zeros_like_inputs(s.shape, s.dtype, ys), shapes
+    )
+    if remat:
+        run, exact = jax.checkpoint(run), jax.checkpoint(exact, static_argnums=0)
     out, settled = lax.cond(all_observed(~jnp.isnan(ys)), run, skip)
     return lax.cond(settled, lambda: out, lambda: exact("missing"))
 

@@ -24,7 +24,6 @@ from ._dispatch import (
     steady_or_exact,
 )
 from ._filter import first_prediction
-from ._interface import KalmanSmootherResult
 from ._linalg import bmm, cho_solve, eye_like, LOG_2PI, mT
 from ._model import bt, Model, per_step, prepare, Problem
 
@@ -87,14 +86,6 @@ def _expected_log_joint(problem: Problem, stats) -> Array:
     return ll - 0.5 * (num_obs * LOG_2PI + quad) - jnp.sum(problem.logdet)
 
 
-def _value_and_cotangent(problem: Problem, sm: KalmanSmootherResult):
-    """The log-likelihood and its gradient with respect to `problem`, from the
-    smoother's moments (Fisher's identity)."""
-    stats = (sm.means, sm.covs, sm.cross_covs)
-    grad = eqx.filter_grad(_expected_log_joint)(problem, stats)
-    return sm.filtered.log_likelihood, grad
-
-
 @full_precision
 def fisher_log_likelihood(
     model: Model, ys: Array, us: Array | None, scan: AbstractScan
@@ -122,26 +113,35 @@ def fisher_log_likelihood(
         data = (ys,) if us is None else (ys, us)
         params = jax.tree.map(lambda p: vary_like(p, *data), params)
 
-        def value_and_grads(whitening, steady=False):
-            problem, pullback = eqx.filter_vjp(
-                lambda p, y, u: prepare(eqx.combine(p, static), y, u, whitening),
-                params,
-                ys,
-                us,
-            )
-            if steady:
-                sm, settled = smooth_steady(problem)
-            else:
+        # the smoother's moments by whichever path suits the data; the gradient
+        # once, from them, with the missing-data whitening (which serves complete
+        # data as well)
+        problem, pullback = eqx.filter_vjp(
+            lambda p, y, u: prepare(eqx.combine(p, static), y, u, "missing"),
+            params,
+            ys,
+            us,
+        )
+
+        def moments(whitening):
+            if whitening == "missing":
                 sm = smooth_problem(problem, scan, model.square_root)
-            value, cotangent = _value_and_cotangent(problem, sm)
-            out = value, pullback(cotangent)
-            return (out, settled) if steady else out
+            else:
+                prepared = prepare(eqx.combine(params, static), ys, us, whitening)
+                sm = smooth_problem(prepared, scan, model.square_root)
+            return sm.filtered.log_likelihood, (sm.means, sm.covs, sm.cross_covs)
+
+        def steady():
+            prepared = prepare(eqx.combine(params, static), ys, us, "complete")
+            sm, settled = smooth_steady(prepared)
+            stats = (sm.means, sm.covs, sm.cross_covs)
+            return (sm.filtered.log_likelihood, stats), settled
 
         if model.square_root and steady_applies(model, ys, scan):
-            steady = lambda: value_and_grads("complete", steady=True)
-            value, grads = steady_or_exact(ys, steady, value_and_grads)
+            value, stats = steady_or_exact(ys, steady, moments)
         else:
-            value, grads = by_whitening(ys, scan, value_and_grads)
+            value, stats = by_whitening(ys, scan, moments)
+        grads = pullback(eqx.filter_grad(_expected_log_joint)(problem, stats))
         dot = sum(
             (
                 jnp.vdot(g, t)

@@ -406,7 +406,7 @@ def sqrt_affine_update(FL: Array, L_Q: Array, Hw: Array):
             [jnp.zeros((n, p), dtype), FL, L_Q],
         ]
     )
-    Lo = tria(A)
+    Lo = tria(A, loop=True)  # once per sequence: the loop compiles quicker
     E_y = tril_inverse_by_rows(Lo[:p, :p])
     G = Lo[p:, :p] @ E_y
     M = jnp.eye(n, dtype=dtype) - G @ Hw

@@ -19,7 +19,12 @@ from jaxtyping import Array, Bool
 
 from .._misc import full_precision, vary_like
 from .._scan import AbstractScan, check_scan, mesh_axis, ShardedScan
-from ._dispatch import by_whitening, filter_problem
+from ._dispatch import (
+    by_whitening,
+    filter_problem,
+    steady_applies,
+    steady_or_exact,
+)
 from ._filter import (
     covariances,
     dense_recurrence,
@@ -345,14 +350,14 @@ def _exchange(model: Model, ys, us, scan: ShardedScan, chunk: int = _CHUNK):
     inner = inner_backend(scan)
     first = index == 0
     # the data-dependent whitening is a branch per device; the exchange stays out
-    element, ll0 = by_whitening(
-        ys,
-        inner,
-        lambda w: block_element(
-            prepare(model, ys, us, w), first, inner, model.steady_state, chunk
-        ),
-        remat=True,
+    exact = lambda w: block_element(
+        prepare(model, ys, us, w), first, inner, model.steady_state, chunk
     )
+    if steady_applies(model, ys, inner) and ys.shape[0] < 2 * chunk:
+        steady = lambda: _steady_element(prepare(model, ys, us, "complete"), first)
+        element, ll0 = steady_or_exact(ys, steady, exact, remat=True)
+    else:
+        element, ll0 = by_whitening(ys, inner, exact, remat=True)
     return element, ll0, _filtered_before(element, scan.axis_name, index)
 
 

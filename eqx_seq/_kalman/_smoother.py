@@ -85,10 +85,16 @@ def settled_elements(
     share one `E` and `C` (one triangularisation, not one per step)."""
     ms, mps = filtered.means, filtered.predicted_means
     K, T = head.shape[0], ms.shape[0]
-    E_h, g_h, C_h = jax.vmap(element, in_axes=(0, 0, 0, None, None))(
-        ms[:K], head, mps[1 : K + 1], model.F, model.L_Q
+    # the tail's element with the head's, in one batch: one triangularisation in
+    # the program, not two
+    E, g_h, C = jax.vmap(element, in_axes=(0, 0, 0, None, None))(
+        ms[: K + 1],
+        jnp.concatenate([head, tail[None]]),
+        mps[1 : K + 2],
+        model.F,
+        model.L_Q,
     )
-    E_s, _, C_s = element(ms[K], tail, mps[K + 1], model.F, model.L_Q)
+    E_h, g_h, C_h, E_s, C_s = E[:K], g_h[:K], C[:K], E[K], C[K]
     g_s = ms[K:-1] - mps[K + 1 :] @ E_s.T
     tail_of = lambda X: jnp.broadcast_to(X, (T - 1 - K, *X.shape))
     zero = jnp.zeros((1, *E_s.shape), E_s.dtype)
