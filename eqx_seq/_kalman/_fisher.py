@@ -19,19 +19,20 @@ from ._dispatch import (
     by_whitening,
     filter_,
     smooth_problem,
-    smooth_steady,
     steady_applies,
     steady_or_exact,
 )
+from ._e_step import smoothed_sums_steady, SmoothedSums
 from ._filter import first_prediction
 from ._linalg import bmm, cho_solve, eye_like, LOG_2PI, mT
 from ._model import bt, Model, per_step, prepare, Problem
 
 
 def _sum_tr(A: Array, X: Array, B: Array) -> Array:
-    """`sum_t tr(A_t X_t B_t^T)`; `A`, `B` constant or per step, `X` per step."""
+    """`sum_t tr(A_t X_t B_t^T)`; `A`, `B` constant or per step, `X` per step, or
+    already summed over the steps (`A`, `B` constant)."""
     if A.ndim == 2 and B.ndim == 2:
-        return jnp.sum((A @ jnp.sum(X, axis=0)) * B)
+        return jnp.sum((A @ (X if X.ndim == 2 else jnp.sum(X, axis=0))) * B)
     T = X.shape[0]
     return jnp.sum(bmm(bt(A, T), X) * bt(B, T))
 
@@ -39,23 +40,31 @@ def _sum_tr(A: Array, X: Array, B: Array) -> Array:
 def _expected_log_joint(problem: Problem, stats) -> Array:
     """`E[log p(x_1..x_T, y_1..y_T)]` over a fixed Gaussian posterior.
 
-    `stats = (means, covs, cross_covs)` are the smoother's moments of `x_1..x_T`
-    (`x_1 ~ N(mu_1, S_1)`, its predicted moments, `x_0` integrated out); only
-    observed entries of `y` count. Linear in the statistics and scan-free; its
+    `stats` are the smoother's moments of `x_1..x_T` (`x_1 ~ N(mu_1, S_1)`, its
+    predicted moments, `x_0` integrated out): the means, and the covariances and
+    lag-one cross-covariances per step or, for a time-invariant model with
+    complete data, summed over the steps (`SmoothedSums`); only observed entries
+    of `y` count. Linear in the statistics and scan-free; its
     gradient at the problem the statistics came from is the log-likelihood's
     (Fisher's identity). Quadratic forms in `Q^{-1}`, `Sigma_1^{-1}` go through
     triangular solves with the Cholesky factors.
     """
     model, c = problem.model, problem.c
-    ms, Ps, cross = stats
+    ms, cross = stats.means, stats.cross
     T, n = ms.shape
+    # sum_t P_t over all steps, all but the first, all but the last
+    if stats.covs.ndim == 2:
+        P_all = stats.covs
+        P_later, P_earlier = P_all - stats.first, P_all - stats.last
+    else:
+        P_all, P_later, P_earlier = stats.covs, stats.covs[1:], stats.covs[:-1]
     F_v, Q_v = per_step(model.F, 2), per_step(model.L_Q, 2)
     dtype = ms.dtype
     # x_1
     mu1, S1 = first_prediction(model, c)
     L1 = jnp.linalg.cholesky(S1)
     d1 = ms[0] - mu1
-    q1 = jnp.trace(cho_solve(L1, Ps[0] + d1[:, None] * d1[None, :]))
+    q1 = jnp.trace(cho_solve(L1, stats.first + d1[:, None] * d1[None, :]))
     ll = -0.5 * (n * LOG_2PI + q1) - jnp.sum(jnp.log(jnp.diagonal(L1)))
     # transitions x_{t-1} -> x_t, t = 2..T
     if T > 1:
@@ -71,9 +80,9 @@ def _expected_log_joint(problem: Problem, stats) -> Array:
         KF = K @ F
         quad = (
             jnp.sum(Kd * Kd)
-            + _sum_tr(K, Ps[1:], K)
+            + _sum_tr(K, P_later, K)
             - 2 * _sum_tr(KF, cross, K)
-            + _sum_tr(KF, Ps[:-1], KF)
+            + _sum_tr(KF, P_earlier, KF)
         )
         logdet_Q = jnp.sum(jnp.log(jnp.diagonal(L_Q, axis1=-2, axis2=-1)))
         logdet_Q = logdet_Q * (1 if Q_v else T - 1)
@@ -81,7 +90,7 @@ def _expected_log_joint(problem: Problem, stats) -> Array:
     # emissions
     Hw = problem.W @ model.H
     r = problem.yw - (ms @ mT(Hw) if Hw.ndim == 2 else jnp.einsum("tij,tj->ti", Hw, ms))
-    quad = jnp.sum(r * r) + _sum_tr(Hw, Ps, Hw)
+    quad = jnp.sum(r * r) + _sum_tr(Hw, P_all, Hw)
     num_obs = jnp.sum(problem.obs).astype(dtype)
     return ll - 0.5 * (num_obs * LOG_2PI + quad) - jnp.sum(problem.logdet)
 
@@ -113,35 +122,32 @@ def fisher_log_likelihood(
         data = (ys,) if us is None else (ys, us)
         params = jax.tree.map(lambda p: vary_like(p, *data), params)
 
-        # the smoother's moments by whichever path suits the data; the gradient
-        # once, from them, with the missing-data whitening (which serves complete
-        # data as well)
-        problem, pullback = eqx.filter_vjp(
-            lambda p, y, u: prepare(eqx.combine(p, static), y, u, "missing"),
-            params,
-            ys,
-            us,
-        )
-
-        def moments(whitening):
-            if whitening == "missing":
-                sm = smooth_problem(problem, scan, model.square_root)
+        def value_and_grads(whitening, steady=False):
+            problem, pullback = eqx.filter_vjp(
+                lambda p, y, u: prepare(eqx.combine(p, static), y, u, whitening),
+                params,
+                ys,
+                us,
+            )
+            if steady:
+                # the steady state's sums over the steps, not its per-step arrays
+                stats, settled = smoothed_sums_steady(problem)
             else:
-                prepared = prepare(eqx.combine(params, static), ys, us, whitening)
-                sm = smooth_problem(prepared, scan, model.square_root)
-            return sm.filtered.log_likelihood, (sm.means, sm.covs, sm.cross_covs)
-
-        def steady():
-            prepared = prepare(eqx.combine(params, static), ys, us, "complete")
-            sm, settled = smooth_steady(prepared)
-            stats = (sm.means, sm.covs, sm.cross_covs)
-            return (sm.filtered.log_likelihood, stats), settled
+                sm = smooth_problem(problem, scan, model.square_root)
+                covs = sm.covs
+                stats = SmoothedSums(
+                    sm.means, covs[0], covs[-1], covs, sm.cross_covs,
+                    sm.filtered.log_likelihood,
+                )  # fmt: skip
+            cotangent = eqx.filter_grad(_expected_log_joint)(problem, stats)
+            out = stats.log_likelihood, pullback(cotangent)
+            return (out, settled) if steady else out
 
         if model.square_root and steady_applies(model, ys, scan):
-            value, stats = steady_or_exact(ys, steady, moments)
+            steady = lambda: value_and_grads("complete", steady=True)
+            value, grads = steady_or_exact(ys, steady, value_and_grads)
         else:
-            value, stats = by_whitening(ys, scan, moments)
-        grads = pullback(eqx.filter_grad(_expected_log_joint)(problem, stats))
+            value, grads = by_whitening(ys, scan, value_and_grads)
         dot = sum(
             (
                 jnp.vdot(g, t)
