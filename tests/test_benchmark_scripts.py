@@ -36,6 +36,12 @@ EXPECTED = {
         "`ssd_scan` against the minimal SSD",
         "one device against the sequence split over two CPU devices",
     ],
+    # each program in its own process, the split one on two CPU devices
+    "compile": [
+        "compile ratio",
+        "dynamax `lgssm_filter` gradient",
+        "log-likelihood + gradient on 2 devices",
+    ],
 }
 
 
