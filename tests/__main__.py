@@ -33,9 +33,10 @@ _TIMES = _ROOT / ".pytest_cache" / "eqx_seq" / "file_times.json"
 # the package end to end and are the longest files, so starting them last would
 # leave one job alone at the end.
 _LONG_FIRST = (
+    "test_examples.py",
     "test_docs.py",
+    "test_docs_kalman.py",
     "test_sequence_parallel_kalman.py",
-    "test_kalman_stiff.py",
 )
 _NO_TESTS = 5  # pytest's exit code when nothing was collected
 

@@ -1,13 +1,18 @@
-"""Shared by the tests: finite differences, tree comparison, running a script."""
+"""Shared by the tests: finite differences, tree comparison, running a script, the
+docs' code blocks."""
 
+import glob
 import os
+import re
 import subprocess
 import sys
+import textwrap
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 import jax.random as jr
+import pytest
 
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -74,3 +79,69 @@ def recurrence_inputs(T: int, S: tuple, varying: bool):
         b = jax.lax.complex(b, jr.normal(k[3], (T, *S)))
         h0 = h0.astype(jnp.complex128) - 0.5j
     return a, b, h0, jr.normal(k[4], (T, *S))
+
+
+def slow_except(cases: list, fast: list) -> list:
+    """`cases` for `pytest.mark.parametrize`, all but those in `fast` in the slow
+    tier (`-m slow`); a tuple case gives one value per argument, as in
+    `parametrize`."""
+    return [
+        pytest.param(
+            *(case if isinstance(case, tuple) else (case,)),
+            marks=[] if case in fast else [pytest.mark.slow],
+        )
+        for case in cases
+    ]
+
+
+FENCE = re.compile(r"```(?:python|py)\n(.*?)```", re.DOTALL)
+# a fenced block that only includes a file (`--8<-- "examples/x.py"`): the example
+# scripts, which tests/test_examples.py runs
+SNIPPET = re.compile(r'\s*--8<--\s+"[^"]+"\s*')
+# every page of docs/, relative to the repository root
+PAGES = sorted(
+    os.path.relpath(path, ROOT)
+    for path in glob.glob(os.path.join(ROOT, "docs", "**", "*.md"), recursive=True)
+)
+
+# their blocks run in test_docs_kalman.py, the other pages' in test_docs.py, so that
+# the two files share the run's jobs
+KALMAN_PAGES = [
+    "docs/api/kalman.md",
+    "docs/api/nonlinear.md",
+    "docs/usage/kalman.md",
+    "docs/usage/nonlinear.md",
+    "docs/usage/several-devices.md",
+]
+
+
+def read(path: str) -> str:
+    with open(path, encoding="utf-8") as f:
+        return f.read()
+
+
+def blocks(text: str) -> list[str]:
+    """The Python blocks of a Markdown text, dedented."""
+    return [textwrap.dedent(b) for b in FENCE.findall(text)]
+
+
+def block_params(pages: list[str]) -> list:
+    """One `pytest.param` per runnable Python block of `pages` (paths relative to the
+    repository root), with the id `page-index`."""
+    return [
+        pytest.param(code, id=f"{page}-{i}")
+        for page in pages
+        for i, code in enumerate(blocks(read(os.path.join(ROOT, page))))
+        if not SNIPPET.fullmatch(code)
+    ]
+
+
+def run_block(code: str) -> None:
+    """Run a documentation block as its readers do, with JAX's default settings: no
+    x64, standard promotion."""
+    with (
+        jax.enable_x64(False),
+        jax.numpy_dtype_promotion("standard"),
+        jax.numpy_rank_promotion("allow"),
+    ):
+        exec(compile(code, "<doc>", "exec"), {})

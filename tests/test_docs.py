@@ -11,52 +11,18 @@ import sys
 import textwrap
 import types
 
-import jax
 import pytest
+from helpers import block_params, blocks, KALMAN_PAGES, PAGES, read, ROOT, run_block
 
 import eqx_seq
 
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DOCS = os.path.join(ROOT, "docs")
-FENCE = re.compile(r"```(?:python|py)\n(.*?)```", re.DOTALL)
-# a fenced block that only includes a file (`--8<-- "examples/x.py"`): the example
-# scripts, which tests/test_examples.py runs
-SNIPPET = re.compile(r'\s*--8<--\s+"[^"]+"\s*')
+# the Kalman pages' blocks run in test_docs_kalman.py
+CODE = block_params(["README.md", *(p for p in PAGES if p not in KALMAN_PAGES)])
 
 
-def blocks(text):
-    return [textwrap.dedent(b) for b in FENCE.findall(text)]
-
-
-def run_block(code):
-    # documentation is read by people with default settings: no x64, standard promotion
-    with (
-        jax.enable_x64(False),
-        jax.numpy_dtype_promotion("standard"),
-        jax.numpy_rank_promotion("allow"),
-    ):
-        exec(compile(code, "<doc>", "exec"), {})
-
-
-def read(path):
-    with open(path, encoding="utf-8") as f:
-        return f.read()
-
-
-PAGES = sorted(
-    os.path.relpath(path, ROOT)
-    for path in glob.glob(os.path.join(DOCS, "**", "*.md"), recursive=True)
-)
-CODE = [
-    pytest.param(code, id=f"{page}-{i}")
-    for page in ["README.md", *PAGES]
-    for i, code in enumerate(blocks(read(os.path.join(ROOT, page))))
-    if not SNIPPET.fullmatch(code)
-]
-
-
-# one test per block, so that the workers share them
+# one test per block
 @pytest.mark.parametrize("code", CODE)
 def test_python_blocks(code):
     run_block(code)

@@ -123,7 +123,12 @@ def test_embedding_numpy_ids_beyond_32_bits_without_x64():
 
 
 # ----------------------------------------------------------------------- models
-@pytest.mark.parametrize("pooling", ["mean", "last"])
+# slow tier: mean pooling; NaN padding under a mask, values and gradients, is checked
+# on last pooling, and mean pooling under a mask by test_models.py's test_classifier_
+# shapes_and_masked_pooling[mean-rglru]
+@pytest.mark.parametrize(
+    "pooling", [pytest.param("mean", marks=pytest.mark.slow), "last"]
+)
 def test_classifier_mask_hides_whatever_padded_steps_hold(pooling, getkey):
     model = eqx_seq.SequenceClassifier(
         2, 3, width=8, depth=1, state_size=4, pooling=pooling, key=getkey()
@@ -161,6 +166,10 @@ def test_generate_rejects_bad_temperatures(temperature, getkey):
         gen(jnp.asarray(temperature, jnp.float32))
 
 
+# slow tier: a traced zero temperature gives the greedy tokens (the argmax of the
+# parallel call's logits) in test_generate_tiny_temperatures_give_the_greedy_tokens,
+# a Python zero in test_models.py's test_language_model_step_mode_equals_parallel
+@pytest.mark.slow
 def test_generate_zero_temperature_traced_is_greedy(getkey):
     lm = eqx_seq.LanguageModel(11, width=8, depth=1, state_size=4, key=getkey())
     prompt = jnp.array([1, 2])

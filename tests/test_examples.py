@@ -150,11 +150,16 @@ def test_kalman_irregular_example(tmp_path):
     assert (tmp_path / "kalman_irregular.png").exists()
 
 
-def test_selective_copying_example(tmp_path):
+# one mixer in the fast tier (each compiles its own training step); every mixer's
+# row in the slow tier
+@pytest.mark.parametrize(
+    "mixers", ["mamba", pytest.param("mamba,mamba2,s5", marks=pytest.mark.slow)]
+)
+def test_selective_copying_example(tmp_path, mixers):
     out = run_script(
         "examples/selective_copying.py",
         "--mixers",
-        "mamba,mamba2,s5",
+        mixers,
         "--length",
         "20",
         "--eval-lengths",
@@ -164,9 +169,9 @@ def test_selective_copying_example(tmp_path):
         "--out",
         str(tmp_path),
     )
-    rows = ("| mamba | 20 | 20 |", "| mamba | 20 | 24 |", "| mamba2 | 20 | 20 |")
-    for row in (*rows, "| s5 | 20 | 20 |"):
-        assert row in out
+    for mixer in mixers.split(","):
+        assert f"| {mixer} | 20 | 20 |" in out
+    assert "| mamba | 20 | 24 |" in out
     assert "| paper: Mamba | 4096 | 4096 | 0.998 |" in out
     assert (tmp_path / "selective_copying.png").exists()
 
@@ -229,11 +234,16 @@ def test_parity_negative_decays_reach_the_goal(tmp_path):
     assert rows["mamba, decays [0, 1]"] <= 0.75
 
 
-def test_mqar_example(tmp_path):
+# one mixer in the fast tier (Mamba-2's training runs in test_parity_example), both
+# in the slow tier
+@pytest.mark.parametrize(
+    "mixers", ["s5", pytest.param("mamba2,s5", marks=pytest.mark.slow)]
+)
+def test_mqar_example(tmp_path, mixers):
     out = run_script(
         "examples/mqar.py",
         "--mixers",
-        "mamba2,s5",
+        mixers,
         "--learning-rates",
         "1e-2",  # each rate compiles its own training step
         "--steps",
@@ -241,10 +251,13 @@ def test_mqar_example(tmp_path):
         "--out",
         str(tmp_path),
     )
+    names = mixers.split(",")
     rows = [
-        line for line in out.splitlines() if line.startswith(("| mamba2 |", "| s5 |"))
+        line
+        for line in out.splitlines()
+        if line.startswith(tuple(f"| {name} |" for name in names))
     ]
-    assert len(rows) == 2
+    assert len(rows) == len(names)
     # each row: the best rate's accuracy per slice, and the sweep
     for row in rows:
         assert row.count("(rate ") == 2 and "T=64: " in row and "T=128: " in row

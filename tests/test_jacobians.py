@@ -46,7 +46,23 @@ SCANS = {
 }
 
 
-@pytest.mark.parametrize("backend,T,complex_,reverse", CASES)
+# slow tier: the associative backend's longer sequences (T = 30), and at T = 9 the
+# real reverse and complex forward rows; every row of the sequential backend, and of
+# the associative one at T = 1, stays fast
+_SLOW_CASES = [
+    *(("associative", 30, c, r) for c in (False, True) for r in (False, True)),
+    ("associative", 9, False, True),
+    ("associative", 9, True, False),
+]
+
+
+@pytest.mark.parametrize(
+    "backend,T,complex_,reverse",
+    [
+        pytest.param(*case, marks=[pytest.mark.slow] if case in _SLOW_CASES else [])
+        for case in CASES
+    ],
+)
 def test_against_closed_form(backend, T, complex_, reverse):
     rng = np.random.default_rng(T)
     S = (2, 3)
@@ -66,8 +82,19 @@ def test_against_closed_form(backend, T, complex_, reverse):
         np.testing.assert_allclose(got, expected, rtol=1e-10, atol=1e-12)
 
 
+# slow tier: the real sequential and complex associative rows; each backend and each
+# dtype runs once in the fast tier
 @pytest.mark.parametrize(
-    "backend,complex_", list(it.product(["sequential", "associative"], [False, True]))
+    "backend,complex_",
+    [
+        pytest.param(
+            *case,
+            marks=[pytest.mark.slow]
+            if case in [("sequential", False), ("associative", True)]
+            else [],
+        )
+        for case in it.product(["sequential", "associative"], [False, True])
+    ],
 )
 def test_diagonal_of_jacfwd(backend, complex_):
     rng = np.random.default_rng(0)

@@ -21,18 +21,19 @@ from kalman_helpers import (
 import eqx_seq
 
 
-# Fast cases: "all" (time-varying + controls + missing) covers each feature on both
-# backends; "plain" and "missing" share one program. The single-feature cases add
-# no property that "all" does not check, so they run with `-m slow` only.
+# Fast cases: "all" (time-varying + controls + missing) covers each feature, on the
+# associative backend; the sequential one runs "plain" (the thin wrappers) and
+# "missing", which share one program. The other pairs add no property that these
+# do not check, so they run with `-m slow` only.
 PAIRS = [
     ("sequential", "plain"),
     ("sequential", "missing"),
-    ("sequential", "all"),
-    ("associative", "plain"),
     ("associative", "all"),
 ] + [
     pytest.param(b, c, marks=pytest.mark.slow)
     for b, c in [
+        ("sequential", "all"),
+        ("associative", "plain"),
         ("sequential", "time_varying"),
         ("sequential", "controls"),
         ("associative", "missing"),
@@ -83,7 +84,16 @@ def constant_velocity(T, dtype):
 FAR_T = 1000  # the f32 programs are shared with test_backends_agree_float32
 
 
-@pytest.mark.parametrize("backend", list(BACKENDS))
+@pytest.mark.parametrize(
+    "backend",
+    [
+        # slow tier: the parallel filter is the one that got this wrong
+        # (associative, fast); the sequential backend's float32 runs fast in
+        # test_kalman_stiff.py
+        pytest.param("sequential", marks=pytest.mark.slow),
+        "associative",
+    ],
+)
 def test_log_likelihood_far_from_zero(backend):
     """Parallel filters that accumulate the likelihood in the scan get this wrong."""
     model, ys = constant_velocity(FAR_T, np.float64)
@@ -99,6 +109,9 @@ def test_log_likelihood_far_from_zero(backend):
     assert abs(float(ll32) / ref - 1) < 1e-4, (float(ll32), ref)
 
 
+# slow tier: test_log_likelihood_far_from_zero[associative] and
+# test_kalman_stiff.py's float32 tests check each backend's float32 against float64
+@pytest.mark.slow
 def test_backends_agree_float32():
     rng = np.random.default_rng(8)
     model = random_model(rng, 4, 2)
@@ -140,6 +153,9 @@ def test_sample_noise_statistics():
     np.testing.assert_allclose(cov_y, kf.H @ kf.H.T + kf.R, atol=0.06)
 
 
+# slow tier: test_sample_noise_statistics checks the default initialisation's
+# stationary covariance through its samples
+@pytest.mark.slow
 def test_init_is_stable_and_stationary(getkey):
     kf = eqx_seq.KalmanFilter(5, 3, control_size=2, key=getkey())
     assert np.allclose(np.abs(np.linalg.eigvals(kf.F)), 0.9)
@@ -178,6 +194,9 @@ def test_from_matrices_round_trip():
     assert np.all(only_b.D == 0)
 
 
+# slow tier: test_kalman_steady.py's test_steady_state_smoother_matches_reference
+# checks the filter under `vmap` over a batch of sequences
+@pytest.mark.slow
 def test_jit_and_vmap_over_a_batch():
     model, ys, _ = case("missing")
     kf = build(model, eqx_seq.SequentialScan())
@@ -266,8 +285,13 @@ def _dot_precisions(jaxpr, found):
     return found
 
 
-@pytest.mark.parametrize("backend", list(BACKENDS))
-@pytest.mark.parametrize("missing", [False, True])
+# slow tier: the associative backend and missing data; [False-sequential] (fast)
+# reads every program of the sequential backend, whose products the others share
+# for the most part
+@pytest.mark.parametrize(
+    "backend", ["sequential", pytest.param("associative", marks=pytest.mark.slow)]
+)
+@pytest.mark.parametrize("missing", [False, pytest.param(True, marks=pytest.mark.slow)])
 def test_products_at_full_precision(backend, missing):
     """Every matrix product the filter traces asks for `Precision.HIGHEST`, also in
     its derivatives: with JAX's default, GPUs compute float32 products in TF32,

@@ -203,6 +203,10 @@ def test_forecast_at_future_times():
     assert np.all(np.isfinite(y_var)) and y_var[0, 0] > R_OSC[0, 0]
 
 
+# slow tier: test_kalman_gradients.py's test_gradient_matches_finite_differences
+# checks the log-likelihood's gradient (time-varying models included) against
+# finite differences; this adds the derivative through the discretisation
+@pytest.mark.slow
 def test_gradients_match_finite_differences():
     """d/dA, d/dQc and d/dL of the log-likelihood, through the discretisation."""
     times, ys = irregular_data(seed=2)
@@ -251,6 +255,10 @@ def test_em_and_sampling_on_a_continuous_model(getkey):
         kf.fit_em(ys, num_iters=1)
 
 
+# slow tier: a regression of EM with F held per step and one H;
+# test_kalman_em.py's test_time_varying_fixed_matrices_match_hand_formulas checks
+# EM with time-varying matrices held
+@pytest.mark.slow
 def test_em_with_a_time_invariant_emission():
     """EM with `F`, `Q` held per step and one `H`: the same iterates as with `H`
     given per step and held (a time-varying `F` once made the emission's moments

@@ -223,9 +223,11 @@ def _problem(seed, n=3, p=2, T=40, c=0, batch=None):
 @pytest.mark.parametrize(
     "backend,c,prior_at",
     [
-        # c = 0 runs in the trace tests
+        # c = 0 runs in test_the_loop_is_traced_once and the trace tests
         pytest.param("sequential", 0, "x0", marks=pytest.mark.slow),
-        ("sequential", 2, "x0"),
+        # slow tier: test_two_iterations_and_batch_match_hand_formulas checks the
+        # sequential backend's iterations with controls and the prior on x_0
+        pytest.param("sequential", 2, "x0", marks=pytest.mark.slow),
         # the same EM as the associative backend's, after the smoother
         pytest.param("sequential", 2, "x1", marks=pytest.mark.slow),
         ("associative", 2, "x1"),
@@ -329,6 +331,9 @@ def test_stationary_prior_with_F_and_Q_held():
 
 
 # --- complete data: the E-step from the steady-state filter ---
+# slow tier: test_kalman_stiff.py's test_em_trace_follows_float64[float32] runs
+# `fit_em` through the steady-state E-step against NumPy EM iterations
+@pytest.mark.slow
 @pytest.mark.parametrize("prior_at", ["x0", "x1"])
 def test_steady_state_e_step_matches_hand_formulas(prior_at):
     """Complete data, a time-invariant model, long sequences: the smoother's sums
@@ -355,6 +360,10 @@ def test_steady_state_e_step_matches_hand_formulas(prior_at):
     np.testing.assert_allclose(lls, [ll], rtol=1e-10)
 
 
+# slow tier: the E-step falls back to the smoother with every step exact, whose EM
+# the fast tests with missing entries (test_one_iteration_matches_hand_formulas)
+# check
+@pytest.mark.slow
 def test_not_settled_e_step_matches_hand_formulas():
     """A covariance still moving after the exact head (barely observed): the E-step
     falls back to the smoother."""
@@ -372,6 +381,9 @@ def test_not_settled_e_step_matches_hand_formulas():
     _assert_model(fitted, new, rtol=1e-7, atol=1e-10)
 
 
+# slow tier: test_kalman_stiff.py's test_em_trace_follows_float64[float32] checks
+# the float32 steady-state E-step against float64 NumPy EM iterations
+@pytest.mark.slow
 def test_float32_complete_data_matches_float64():
     """The steady-state E-step in float32 (32 exact steps, then settled) against
     three float64 NumPy EM iterations from the same start."""
@@ -391,6 +403,9 @@ def test_float32_complete_data_matches_float64():
 
 
 # --- the log-likelihood trace ---
+# slow tier: test_two_iterations_and_batch_match_hand_formulas checks each
+# iteration's trace value against the NumPy EM with missing entries
+@pytest.mark.slow
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_trace_never_decreases_with_missing_entries(seed):
     start, ys, _ = _problem(10 + seed, n=3, p=3, T=60)
@@ -404,6 +419,9 @@ def test_trace_never_decreases_with_missing_entries(seed):
     np.testing.assert_allclose(lls[-1], fitted.log_likelihood(ys), rtol=1e-10)
 
 
+# slow tier: test_masks_match_hand_normal_equations checks the masked M-step and
+# that the fixed entries are kept
+@pytest.mark.slow
 def test_masked_trace_never_decreases_and_keeps_entries():
     start, ys, _ = _problem(20, n=3, p=3, T=60)
     F_mask = np.eye(3, dtype=bool)
@@ -442,6 +460,9 @@ def _simulate_fast(rng, model, T):
     return np.array(xs) @ model["H"].T + r
 
 
+# slow tier: a big variant (long data, many iterations); the fast tests check the
+# iterations against the NumPy EM
+@pytest.mark.slow
 def test_recovers_a_known_model():
     """Long simulated data, H held at its true value (which fixes the state's basis):
     F, Q, R and the log-likelihood come back close to the truth."""
@@ -467,6 +488,9 @@ def test_recovers_a_known_model():
     assert lls[-1] - ll_true < 10.0
 
 
+# slow tier: test_kalman_stiff.py's test_em_trace_follows_float64[float32] runs
+# `fit_em` in float32
+@pytest.mark.slow
 def test_float32_stays_finite_and_climbs():
     start, ys, _ = _problem(30, n=4, p=2, T=200)
     kf = build(start, eqx_seq.SequentialScan(), dtype=jnp.float32)

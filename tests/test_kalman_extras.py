@@ -54,8 +54,12 @@ def np_forecast(model, ys, us, horizon, prior_at="x0", last=None):
 @pytest.mark.parametrize(
     "backend,name,prior_at",
     [
-        ("sequential", "plain", "x0"),
-        ("sequential", "all", "x1"),
+        # slow tier: "all" (associative) covers "plain"'s features; the sequential
+        # backend's forecast runs fast in test_forecast_edges and
+        # test_forecast_after_a_diffuse_prior, the prior on x_1 in
+        # test_streaming_matches_the_filter
+        pytest.param("sequential", "plain", "x0", marks=pytest.mark.slow),
+        pytest.param("sequential", "all", "x1", marks=pytest.mark.slow),
         ("associative", "all", "x0"),
     ],
 )
@@ -126,7 +130,15 @@ def z_scores(draws, means, covs, cross):
     return max(np.abs(z).max() for z in (z_mean, z_cov, z_lag))
 
 
-@pytest.mark.parametrize("prior_at", ["x0", "x1"])
+@pytest.mark.parametrize(
+    "prior_at",
+    [
+        "x0",
+        # slow tier: the other prior convention of the same check (x_1's prior
+        # runs fast in test_streaming_matches_the_filter)
+        pytest.param("x1", marks=pytest.mark.slow),
+    ],
+)
 def test_posterior_samples_converge_to_the_smoother(prior_at):
     # time-varying, controls, missing entries (and a missing last step); both
     # backends draw the same paths from one key, to round-off
@@ -150,6 +162,9 @@ def test_posterior_samples_converge_to_the_smoother(prior_at):
     assert z_scores(shuffled, sm, sP, cross) > 20
 
 
+# slow tier: test_posterior_samples_converge_to_the_smoother checks the draws on
+# both backends; this adds jit, vmap and one step
+@pytest.mark.slow
 def test_posterior_sample_jit_vmap_and_length_one():
     model, ys, _ = case("missing")
     kf = build(model, eqx_seq.SequentialScan())
@@ -220,8 +235,10 @@ def stream(kf, ys, us, first_update=False):
     "name,options",
     [
         ("controls", {}),
-        ("missing", {}),
-        ("controls", dict(prior_at="x1")),
+        # slow tier: every case has missing entries; controls run fast in the
+        # first case, the prior on x_1 in the last
+        pytest.param("missing", {}, marks=pytest.mark.slow),
+        pytest.param("controls", dict(prior_at="x1"), marks=pytest.mark.slow),
         ("missing", dict(prior_at="x1", initialization="stationary")),
     ],
 )

@@ -18,7 +18,10 @@ import eqx_seq
 @pytest.mark.parametrize(
     "backend,name",
     [
-        ("sequential", "all"),
+        # slow tier: the associative backend runs this check fast; the sequential
+        # backend's gradient runs fast in
+        # test_fisher_gradient_forward_mode_and_second_order
+        pytest.param("sequential", "all", marks=pytest.mark.slow),
         ("associative", "all"),
         pytest.param("sequential", "missing", marks=pytest.mark.slow),
     ],
@@ -112,6 +115,9 @@ def test_fisher_gradient_forward_mode_and_second_order():
         np.testing.assert_allclose(a, b, rtol=1e-7, atol=1e-9)
 
 
+# slow tier: a big variant (T = 100k); float32 on long stiff sequences is checked
+# fast in test_kalman_stiff.py (test_float32_matches_float64)
+@pytest.mark.slow
 def test_float32_long_run_agrees_with_float64():
     """T=100k in float32: finite, log-likelihood within 1e-3 relative of float64,
     and its gradient (Fisher's identity) within 5e-3 of float64's, leaf by leaf."""
@@ -139,6 +145,10 @@ def test_float32_long_run_agrees_with_float64():
         assert err < 5e-3, err
 
 
+# slow tier: a big variant (state 16, long sequences) of the gradient with missing
+# data that test_fisher_gradient_forward_mode_and_second_order and
+# test_gradient_matches_finite_differences[associative-all] check
+@pytest.mark.slow
 def test_gradient_with_missing_data_does_not_hang():
     """Regression: with missing observations the per-step whitening factored a
     Cholesky per step with batched LAPACK; two such calls scheduled at once by

@@ -55,7 +55,15 @@ DYNAMAX = {
 }
 
 
-@pytest.mark.parametrize("backend", list(BACKENDS))
+@pytest.mark.parametrize(
+    "backend",
+    [
+        "sequential",
+        # slow tier: the associative backend's prior on x_1 runs fast in
+        # test_diffuse_nile_matches_statsmodels[trend_missing-x1-associative]
+        pytest.param("associative", marks=pytest.mark.slow),
+    ],
+)
 def test_prior_at_x1_matches_dynamax(backend):
     kf = eqx_seq.KalmanFilter.from_matrices(
         F, H, Q, R, M0, P0, prior_at="x1", scan=BACKENDS[backend]
@@ -76,7 +84,13 @@ def test_prior_at_x1_matches_dynamax(backend):
 # each backend once, each model once: the prior enters through the first step,
 # which both backends share (a compiled program per pair)
 @pytest.mark.parametrize(
-    "name, backend", [("all", "sequential"), ("plain", "associative")]
+    "name, backend",
+    [
+        ("all", "sequential"),
+        # slow tier: "all" covers "plain"; the associative backend's prior on x_1
+        # runs fast in test_diffuse_nile_matches_statsmodels
+        pytest.param("plain", "associative", marks=pytest.mark.slow),
+    ],
 )
 def test_prior_at_x1_against_reference(backend, name):
     model, ys, us = case(name, seed=3)
@@ -86,6 +100,9 @@ def test_prior_at_x1_against_reference(backend, name):
     np.testing.assert_allclose(kf.smooth(ys, us=us).filtered.means, f["m"], atol=1e-9)
 
 
+# slow tier: test_stationary_prior[x1-sequential] checks Fisher's identity against
+# plain autodiff (for F) with the prior on x_1
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", list(BACKENDS))
 def test_prior_at_x1_gradient_is_the_filters(backend):
     # Fisher's identity (log_likelihood) against plain autodiff through the filter
@@ -113,7 +130,14 @@ def test_prior_at_x1_sample_starts_from_the_prior():
 # each backend once, each convention once (the stationary covariance is the
 # same computation for both)
 @pytest.mark.parametrize(
-    "prior_at, backend", [("x0", "associative"), ("x1", "sequential")]
+    "prior_at, backend",
+    [
+        # slow tier: the other convention of the same check (the test shows both
+        # give the same model); the associative backend runs fast in
+        # test_diffuse_nile_matches_statsmodels
+        pytest.param("x0", "associative", marks=pytest.mark.slow),
+        ("x1", "sequential"),
+    ],
 )
 def test_stationary_prior(backend, prior_at):
     rng = np.random.default_rng(11)
@@ -195,11 +219,14 @@ LOCAL_TREND = (
 @pytest.mark.parametrize(
     "model, prior_at, backend",
     [
-        ("level", "x0", "sequential"),
-        ("level", "x1", "associative"),
-        ("trend", "x1", "sequential"),
-        ("trend", "x0", "associative"),
-        ("trend_missing", "x0", "sequential"),
+        # slow tier: "trend_missing" (a local trend with missing data, on the
+        # associative backend) runs fast; the sequential backend's diffuse prior
+        # runs fast in test_diffuse_gradient_against_finite_differences
+        pytest.param("level", "x0", "sequential", marks=pytest.mark.slow),
+        pytest.param("level", "x1", "associative", marks=pytest.mark.slow),
+        pytest.param("trend", "x1", "sequential", marks=pytest.mark.slow),
+        pytest.param("trend", "x0", "associative", marks=pytest.mark.slow),
+        pytest.param("trend_missing", "x0", "sequential", marks=pytest.mark.slow),
         ("trend_missing", "x1", "associative"),
     ],
 )

@@ -23,6 +23,9 @@ from kalman_helpers import (
 import eqx_seq
 
 
+# slow tier: test_steady_state_smoother_matches_reference checks the steady-state
+# path under `vmap` over complete sequences
+@pytest.mark.slow
 def test_vmap_branches_once_for_the_batch():
     """Under `vmap` the complete-data branch is taken for the whole batch or not at
     all (`all_observed` answers for the batch, so the `lax.cond` stays a branch
@@ -67,6 +70,9 @@ def test_vmap_branches_once_for_the_batch():
                 np.testing.assert_allclose(g[i], h, **tol)
 
 
+# slow tier: test_steady_state_smoother_matches_reference checks the filtered
+# output of the same path (controls, under `vmap`) against the textbook filter
+@pytest.mark.slow
 def test_steady_state_filter_matches_reference():
     """After the covariance settles the filter runs the steady-state recursion; its
     means, covariances and log-likelihoods must still be the textbook filter's, also
@@ -153,6 +159,9 @@ def _steady_gradient_case():
     return rng, model, ys, us, ll, grad
 
 
+# slow tier: test_steady_state_smoother_matches_reference checks a gradient
+# through the steady-state path against the one with every step exact
+@pytest.mark.slow
 def test_steady_state_gradient():
     """`log_likelihood`'s gradient on the steady-state path (plain autodiff through
     it) equals the exact path's (the same model with a per-step F, which goes

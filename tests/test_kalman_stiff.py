@@ -149,8 +149,12 @@ def _finite(tree):
     "backend,name",
     [
         ("sequential", "tracker"),
-        ("associative", "tracker"),
-        ("sequential", "random"),
+        # slow tier: the associative backend's float32 on stiff models runs fast in
+        # test_prior_at_x1 and test_missing_controls_time_varying
+        pytest.param("associative", "tracker", marks=pytest.mark.slow),
+        # slow tier: a second model of the same check ("tracker" runs fast), on
+        # both backends
+        pytest.param("sequential", "random", marks=pytest.mark.slow),
         pytest.param("associative", "random", marks=pytest.mark.slow),
     ],
 )
@@ -191,7 +195,15 @@ def test_float32_matches_float64(backend, name):
     _assert_psd(s32.covs)
 
 
-@pytest.mark.parametrize("backend", list(BACKENDS))
+@pytest.mark.parametrize(
+    "backend",
+    [
+        # slow tier: the sequential backend's float32 on this model runs fast in
+        # test_float32_matches_float64 and test_diffuse
+        pytest.param("sequential", marks=pytest.mark.slow),
+        "associative",
+    ],
+)
 def test_prior_at_x1(backend):
     """The stiff tracker with its vague prior on `x_1` (the convention of dynamax,
     pykalman and statsmodels; step 1 has no transition): float32 within 0.05 nats
@@ -213,7 +225,15 @@ def test_prior_at_x1(backend):
     _assert_psd(s32.covs)
 
 
-@pytest.mark.parametrize("backend", list(BACKENDS))
+@pytest.mark.parametrize(
+    "backend",
+    [
+        "sequential",
+        # slow tier: the associative backend's float32 on this model runs fast in
+        # test_prior_at_x1 and test_missing_controls_time_varying
+        pytest.param("associative", marks=pytest.mark.slow),
+    ],
+)
 def test_diffuse(backend):
     """The stiff tracker's precise observations after an exact diffuse start (its
     univariate steps, then the square-root filter): float32 within 0.05 nats of
@@ -250,6 +270,10 @@ def test_streaming():
     assert np.abs((np.array(means, np.float64) - f["m"]) / sd_f).max() < 0.01
 
 
+# slow tier: the covariance form is a private comparison for the benchmark; the
+# square-root form holding in float32 on the stiff tracker is checked fast by
+# test_float32_matches_float64
+@pytest.mark.slow
 def test_covariance_form():
     """The covariance form kept behind `_square_root=False` (the benchmark's
     comparison) is the textbook filter on a non-stiff model with every feature,
@@ -272,7 +296,15 @@ def test_covariance_form():
         assert abs(float(kf.filter(ys32).log_likelihood) - ref) < 0.05
 
 
-@pytest.mark.parametrize("backend", list(BACKENDS))
+@pytest.mark.parametrize(
+    "backend",
+    [
+        # slow tier: the sequential backend's float32 on stiff models runs fast in
+        # test_float32_matches_float64 and test_diffuse
+        pytest.param("sequential", marks=pytest.mark.slow),
+        "associative",
+    ],
+)
 def test_missing_controls_time_varying(backend):
     """A stiff model with a per-step `F` (every step exact), controls, and missing
     entries (single entries, a whole step): float32 within 0.05 nats of float64,
@@ -299,7 +331,9 @@ def test_missing_controls_time_varying(backend):
 @pytest.mark.parametrize(
     "backend,plain",
     [
-        ("sequential", True),
+        # slow tier: the sequential backend and plain autodiff, which
+        # test_kalman_gradients.py's fast tests check on other models
+        pytest.param("sequential", True, marks=pytest.mark.slow),
         ("associative", False),
         pytest.param("associative", True, marks=pytest.mark.slow),
     ],
@@ -340,6 +374,9 @@ def test_gradient(backend, plain):
 
 
 # --- expectation-maximisation ---
+# slow tier: test_em_trace_follows_float64[float32] runs this E-step (complete data,
+# the steady-state sums) inside `fit_em` on the same model
+@pytest.mark.slow
 def test_em_steady_state_sums_float32():
     """The E-step's sums from the steady-state filter (`smoothed_sums_steady`) on
     the stiff tracker in float32 against the NumPy square-root smoother (float64):
@@ -429,7 +466,14 @@ def _np_em_step(model, ys):
     return new, f["ll"].sum()
 
 
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.float64])
+@pytest.mark.parametrize(
+    "dtype",
+    [
+        jnp.float32,
+        # slow tier: the float64 twin of the float32 check above
+        pytest.param(jnp.float64, marks=pytest.mark.slow),
+    ],
+)
 def test_em_trace_follows_float64(dtype):
     """`fit_em` on the stiff tracker (complete data: the steady-state E-step)
     against three float64 NumPy EM iterations from the same start: the trace
@@ -455,6 +499,10 @@ def test_em_trace_follows_float64(dtype):
         np.testing.assert_allclose(getattr(fitted, k), ref[k], err_msg=k, **tol)
 
 
+# slow tier: test_float32_matches_float64[sequential-tracker] and (missing entries)
+# test_missing_controls_time_varying check the filters built on this update against
+# the NumPy square-root reference in float64
+@pytest.mark.slow
 def test_square_root_update_matches_the_textbook_update():
     """`sqrt_update` (one triangularisation: predict and every whitened
     observation, a missing one included) against the dense covariance-form

@@ -138,6 +138,11 @@ def test_initialisation(getkey):
     assert labels.mamba.in_proj == "regular"
 
 
+# slow tier: Mamba2Block's call and step run in test_packed.py (test_stacked_blocks_
+# keep_documents_apart[Mamba2Block], test_step_mode_restarts_like_the_parallel_call
+# [Mamba2Block]), a float32 Mamba-2 and its block in test_edge_cases.py's test_
+# integer_input_is_cast_as_the_real_annotations_promise
+@pytest.mark.slow
 def test_block_and_half_precision(getkey):
     layer = _layer(getkey())
     assert eqx_seq.Mamba2Block(layer).norm.bias is None  # RMS: a scale, no bias

@@ -7,6 +7,7 @@ import jax.random as jr
 import numpy as np
 import optax
 import pytest
+from helpers import slow_except
 
 import eqx_seq
 
@@ -41,7 +42,9 @@ def every_layer_scan(model):
     return [x.scan for x in jax.tree.leaves(model, is_leaf=is_layer) if is_layer(x)]
 
 
-@pytest.mark.parametrize("mixer", MIXERS)
+# slow tier: the other mixers, whose models hand `scan` to their blocks as the LRU's
+# do (Mamba's models run on both backends in test_backends_agree[mamba])
+@pytest.mark.parametrize("mixer", slow_except(MIXERS, ["lru"]))
 def test_backend_reaches_every_layer(mixer, getkey):
     for scan in SCANS:
         for model in [
@@ -52,7 +55,9 @@ def test_backend_reaches_every_layer(mixer, getkey):
             assert len(scans) == 2 and all(s == scan for s in scans)
 
 
-@pytest.mark.parametrize("mixer", MIXERS)
+# slow tier: the other mixers; both backends of each layer are compared in its own
+# file (test_s5.py, test_rglru.py, test_mamba2.py), Mamba's here
+@pytest.mark.parametrize("mixer", slow_except(MIXERS, ["mamba"]))
 def test_backends_agree(mixer, getkey):
     key = getkey()
     x = jr.normal(getkey(), (3, 9, 2), jnp.float64)
@@ -65,6 +70,9 @@ def test_backends_agree(mixer, getkey):
     np.testing.assert_allclose(outs[0][1], outs[1][1], atol=1e-10)
 
 
+# slow tier: the denoiser with a gap runs in test_denoising_classifier_composes_the_
+# layers, and the two backends agree through a model in test_backends_agree
+@pytest.mark.slow
 def test_denoising_classifier_backends_agree(getkey):
     key = getkey()
     x = jr.normal(getkey(), (12, 2), jnp.float64).at[3:5, 0].set(jnp.nan)
@@ -72,9 +80,16 @@ def test_denoising_classifier_backends_agree(getkey):
     np.testing.assert_allclose(outs[0], outs[1], rtol=1e-9, atol=1e-10)
 
 
+# slow tier: mean pooling of S5 and last pooling of Mamba; each pooling runs in the
+# fast tier once (last-s5, mean-rglru)
 @pytest.mark.parametrize(
     "pooling, mixer",
-    [("mean", "s5"), ("last", "s5"), ("mean", "rglru"), ("last", "mamba")],
+    [
+        pytest.param("mean", "s5", marks=pytest.mark.slow),
+        ("last", "s5"),
+        ("mean", "rglru"),
+        pytest.param("last", "mamba", marks=pytest.mark.slow),
+    ],
 )
 def test_classifier_shapes_and_masked_pooling(pooling, mixer, getkey):
     model = classifier(getkey(), pooling=pooling, mixer=mixer)
@@ -120,8 +135,18 @@ def tiny_task(kind, key):
     return model, loss
 
 
+# slow tier: the other models; `s5_optimizer` and a gradient through a whole model
+# are checked by the language model's row, the denoiser's gradient reaching every
+# stage by test_denoising_classifier_composes_the_layers
 @pytest.mark.parametrize(
-    "kind", ["classifier", "lm", "denoiser", "classifier-rglru", "lm-mamba"]
+    "kind",
+    [
+        pytest.param("classifier", marks=pytest.mark.slow),
+        "lm",
+        pytest.param("denoiser", marks=pytest.mark.slow),
+        pytest.param("classifier-rglru", marks=pytest.mark.slow),
+        pytest.param("lm-mamba", marks=pytest.mark.slow),
+    ],
 )
 def test_training_step_reduces_the_loss(kind, getkey):
     model, loss = tiny_task(kind, getkey())
@@ -142,7 +167,9 @@ def test_training_step_reduces_the_loss(kind, getkey):
     assert last < 0.8 * first
 
 
-@pytest.mark.parametrize("mixer", MIXERS)
+# slow tier: the other mixers; each layer's step mode equals its call in its own
+# file, and the model's `step` and `generate` over them are the same code
+@pytest.mark.parametrize("mixer", slow_except(MIXERS, ["mamba2"]))
 def test_language_model_step_mode_equals_parallel(mixer, getkey):
     model = lm(getkey(), mixer=mixer)
     ids = jr.randint(getkey(), (12,), 0, 11)
@@ -167,6 +194,9 @@ def test_language_model_step_mode_equals_parallel(mixer, getkey):
     )  # sampling at temperature 1 is not the greedy path every time
 
 
+# slow tier: the tied output layer is `Embedding.attend`, checked by test_embedding.py's
+# test_attend_tied_logits
+@pytest.mark.slow
 def test_language_model_ties_input_and_output(getkey):
     model = lm(getkey())
     ids = jr.randint(getkey(), (5,), 0, 11)
@@ -178,7 +208,16 @@ def test_language_model_ties_input_and_output(getkey):
     assert sum(x.size for x in leaves if x.shape == (11, 8)) == 11 * 8
 
 
-@pytest.mark.parametrize("kind", ["classifier", "lm", "denoiser"])
+# slow tier: the language model and the denoiser, serialised by the same Equinox
+# functions as the classifier's row
+@pytest.mark.parametrize(
+    "kind",
+    [
+        "classifier",
+        pytest.param("lm", marks=pytest.mark.slow),
+        pytest.param("denoiser", marks=pytest.mark.slow),
+    ],
+)
 def test_checkpoint_round_trip(kind, getkey, tmp_path):
     make = {"classifier": classifier, "lm": lm, "denoiser": denoiser}[kind]
     model = make(getkey())

@@ -203,7 +203,15 @@ def np_filter_smoother(ys, us, prior_at, method, g=G, unscented=()):
 UNSCENTED_OTHER = (0.5, 2.0, 1.0)  # a negative mean weight, positive covariance ones
 
 
-@pytest.mark.parametrize("name", ["x0", "x1"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "x0",
+        # slow tier: the same check with controls and the prior on x_1, which run
+        # fast in test_ieks_is_the_map_trajectory[x1] and the split smoother's test
+        pytest.param("x1", marks=pytest.mark.slow),
+    ],
+)
 def test_filters_and_smoothers_match_textbook(name):
     """Means, covariances (filtered, predicted, smoothed, cross) and
     log-likelihoods of the extended, cubature and unscented filters and RTS
@@ -296,10 +304,9 @@ def _linear_outputs(nkf, kf, ys, us, method):
     }
 
 
-# each prior convention and each method once in the fast set
 # all with `-m slow` (an iterated smoother's program per case): the textbook
-# test checks every one-pass method on both prior conventions, the MAP and the
-# backends' tests the iterated ones
+# test checks every one-pass method, the MAP and the backends' tests the iterated
+# ones
 LINEAR = [
     pytest.param(prior_at, method, marks=pytest.mark.slow)
     for prior_at in ("x0", "x1")
@@ -392,7 +399,14 @@ def _prior_init(T):
     return np.broadcast_to(m0, (T, 2)).copy(), np.broadcast_to(P0, (T, 2, 2)).copy()
 
 
-@pytest.mark.parametrize("name", ["x0", "x1"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        # slow tier: the other prior convention of the same check ("x1" runs fast)
+        pytest.param("x0", marks=pytest.mark.slow),
+        "x1",
+    ],
+)
 def test_ieks_is_the_map_trajectory(name):
     """At the iterated extended smoother's fixed point the gradient of the negative
     log joint density vanishes: with `prior_at="x1"` that of `x_1..x_T`; with

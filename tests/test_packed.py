@@ -183,8 +183,33 @@ LAYERS = {
 }
 
 
-@pytest.mark.parametrize("scan", SCANS.values(), ids=SCANS.keys())
-@pytest.mark.parametrize("name", LAYERS)
+# in the fast tier, each algorithm once: the selective scan's fused loop
+# (sequential) and chunks (associative, in MambaBlock), the SSD's chunks
+# (associative; its sequential form is test_stacked_blocks_keep_documents_apart
+# [Mamba2Block]), the recurrence's sequential form (RGLRU; the associative one is
+# test_zero_decay_forgets_the_state[associative]). Slow tier: the other rows, the
+# same algorithms inside other layers and blocks.
+_BAD_SEGMENT_FAST = [
+    ("selective_scan", "sequential"),
+    ("RGLRU", "sequential"),
+    ("MambaBlock", "associative"),
+    ("ssd_scan", "associative"),
+]
+
+
+@pytest.mark.parametrize(
+    "name,scan",
+    [
+        pytest.param(
+            name,
+            scan,
+            id=f"{name}-{scan_id}",
+            marks=[] if (name, scan_id) in _BAD_SEGMENT_FAST else [pytest.mark.slow],
+        )
+        for name in LAYERS
+        for scan_id, scan in SCANS.items()
+    ],
+)
 def test_a_bad_segment_stays_in_its_segment(name, scan):
     """A NaN and an inf in the first segment: the second segment's outputs, and
     the gradient with respect to its inputs, are a separate call's; an `h0` of NaNs
@@ -218,7 +243,12 @@ def test_a_bad_segment_stays_in_its_segment(name, scan):
     _close(with_nan_h0, without_h0)
 
 
-@pytest.mark.parametrize("name", ["MambaBlock", "Mamba2Block"])
+# slow tier: MambaBlock, whose convolution's backward across a reset is that of
+# Mamba2Block (kept fast); MambaBlock's packing is checked by test_a_bad_segment_
+# stays_in_its_segment[MambaBlock-associative]
+@pytest.mark.parametrize(
+    "name", [pytest.param("MambaBlock", marks=pytest.mark.slow), "Mamba2Block"]
+)
 def test_stacked_blocks_keep_documents_apart(name):
     """Two blocks in a row, the second document starting inside a chunk: with a NaN
     late in the first document, the gradient of a loss on the second with respect
@@ -254,8 +284,17 @@ def test_stacked_blocks_keep_documents_apart(name):
     _close(earlier, earlier_alone)
 
 
+# slow tier: the layers whose blocks (kept fast) run their `step` inside
 @pytest.mark.parametrize(
-    "name", ["Mamba", "MambaBlock", "Mamba2", "Mamba2Block", "RGLRU", "HawkBlock"]
+    "name",
+    [
+        pytest.param("Mamba", marks=pytest.mark.slow),
+        "MambaBlock",
+        pytest.param("Mamba2", marks=pytest.mark.slow),
+        "Mamba2Block",
+        pytest.param("RGLRU", marks=pytest.mark.slow),
+        "HawkBlock",
+    ],
 )
 def test_step_mode_restarts_like_the_parallel_call(name):
     """Step mode through a bad segment, then a reset: the outputs after it equal
@@ -290,7 +329,17 @@ def test_step_mode_restarts_like_the_parallel_call(name):
     _close(stepped, parallel)
 
 
-@pytest.mark.parametrize("name", LAYERS)
+# slow tier: all but a function (`selective_scan`) and a module (MambaBlock); every
+# layer reads `reset` through the same check
+@pytest.mark.parametrize(
+    "name",
+    [
+        name
+        if name in ("selective_scan", "MambaBlock")
+        else pytest.param(name, marks=pytest.mark.slow)
+        for name in LAYERS
+    ],
+)
 def test_reset_as_a_list_of_bools(name):
     """`reset` is ArrayLike: a Python list of bools is the array."""
     params, call, size, _ = LAYERS[name](jr.key(6), eqx_seq.SequentialScan())

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import jaxtyping
 import numpy as np
 import pytest
-from helpers import directional_derivative, directional_fd
+from helpers import directional_derivative, directional_fd, slow_except
 from hypothesis import given, settings, strategies as st
 
 import eqx_seq
@@ -74,9 +74,22 @@ CASES = list(
         [False, True],  # forward / reverse
     )
 )
+# slow tier: the associative backend's longer sequences but one (batched state,
+# time-varying, complex, reverse); its every variant runs at T = 1 and 7, and the
+# sequential backend's at every length
+_LONG_ASSOCIATIVE_FAST = ("associative", 100, (2, 3), False, True, True)
+LOOP_CASES = [
+    pytest.param(
+        *case,
+        marks=[pytest.mark.slow]
+        if case[:2] == ("associative", 100) and case != _LONG_ASSOCIATIVE_FAST
+        else [],
+    )
+    for case in CASES
+]
 
 
-@pytest.mark.parametrize("backend,T,S,time_invariant,complex_,reverse", CASES)
+@pytest.mark.parametrize("backend,T,S,time_invariant,complex_,reverse", LOOP_CASES)
 def test_values_match_numpy_loop(backend, T, S, time_invariant, complex_, reverse):
     rng = np.random.default_rng(T + len(S))
     a, b, h0 = make_inputs(rng, T, S, time_invariant=time_invariant, complex_=complex_)
@@ -164,7 +177,20 @@ GRAD_CASES = list(
 )
 
 
-@pytest.mark.parametrize("backend,time_invariant,complex_,reverse", GRAD_CASES)
+# slow tier: the other combinations; each backend runs a time-invariant and a
+# time-varying decay, real and complex, forward and reverse in the fast tier
+@pytest.mark.parametrize(
+    "backend,time_invariant,complex_,reverse",
+    slow_except(
+        GRAD_CASES,
+        [
+            ("sequential", True, True, True),
+            ("sequential", False, False, False),
+            ("associative", True, False, False),
+            ("associative", False, True, True),
+        ],
+    ),
+)
 def test_gradients(backend, time_invariant, complex_, reverse):
     T, S = 11, (2, 3)
     rng = np.random.default_rng(2)
@@ -210,7 +236,16 @@ def test_gradients(backend, time_invariant, complex_, reverse):
         )
 
 
-@pytest.mark.parametrize("backend,time_invariant,complex_,reverse", GRAD_CASES)
+# slow tier: the other combinations; each backend's forward mode runs in the fast
+# tier once, a time-varying decay on one and a time-invariant one on the other (both
+# argument sets, so both derivative paths, in each), real and complex
+@pytest.mark.parametrize(
+    "backend,time_invariant,complex_,reverse",
+    slow_except(
+        GRAD_CASES,
+        [("sequential", False, False, False), ("associative", True, False, True)],
+    ),
+)
 def test_jacfwd_equals_jacrev(backend, time_invariant, complex_, reverse):
     T, S = 6, (3,)
     rng = np.random.default_rng(3)
@@ -237,9 +272,14 @@ def test_jacfwd_equals_jacrev(backend, time_invariant, complex_, reverse):
         assert eqx.tree_equal(fwd, ref, rtol=1e-12, atol=1e-12)
 
 
+# slow tier: three of the four; second derivatives are of the same rules (first
+# derivatives of both backends: test_gradients, test_jacfwd_equals_jacrev)
 @pytest.mark.parametrize(
     "backend,time_invariant",
-    list(it.product(["sequential", "associative"], [True, False])),
+    slow_except(
+        it.product(["sequential", "associative"], [True, False]),
+        [("associative", False)],
+    ),
 )
 def test_hessian(backend, time_invariant):
     T, S = 5, (2,)
@@ -269,9 +309,14 @@ def test_hessian(backend, time_invariant):
     )
 
 
+# slow tier: all but the most general case (time-varying, complex, reverse); each
+# backend's variants are checked against the loop by test_values_match_numpy_loop
 @pytest.mark.parametrize(
     "time_invariant,complex_,reverse",
-    list(it.product([True, False], [False, True], [False, True])),
+    slow_except(
+        it.product([True, False], [False, True], [False, True]),
+        [(False, True, True)],
+    ),
 )
 def test_backends_agree(time_invariant, complex_, reverse):
     T, S = 33, (4,)
@@ -330,9 +375,22 @@ def test_vmap_and_jit():
         np.testing.assert_allclose(jnp.moveaxis(batched_state, 1, 0), got, rtol=1e-12)
 
 
-@pytest.mark.parametrize("backend", ["sequential", "sequential-unroll3", "associative"])
-@pytest.mark.parametrize("time_invariant", [True, False])
-@pytest.mark.parametrize("reverse", [False, True])
+# slow tier: the associative backend (its `recurrence` is JAX's associative scan,
+# differentiated by JAX alone; its derivatives through `linear_recurrence` are
+# checked by test_gradients and test_jacfwd_equals_jacrev) and the other
+# sequential rows; `SequentialScan`'s own JVP runs forward with a time-invariant
+# decay and, unrolled, in reverse with a time-varying one
+@pytest.mark.parametrize(
+    "reverse,time_invariant,backend",
+    slow_except(
+        it.product(
+            [False, True],
+            [True, False],
+            ["sequential", "sequential-unroll3", "associative"],
+        ),
+        [(False, True, "sequential"), (True, False, "sequential-unroll3")],
+    ),
+)
 def test_backend_recurrence_differentiated_directly(backend, time_invariant, reverse):
     """`AbstractScan.recurrence`, the low-level primal, differentiated by tracing
     (not through `linear_recurrence`'s rules): both modes match the autodiff of an
@@ -461,7 +519,11 @@ def test_auto_scan_rule():
     assert type(eqx_seq.AutoScan().select()) is expected
 
 
-@pytest.mark.parametrize("backend", ["sequential", "associative"])
+# slow tier: the associative backend; the promotion and the gradient's cast back to
+# the real decay happen in `linear_recurrence`, before and after any backend
+@pytest.mark.parametrize(
+    "backend", ["sequential", pytest.param("associative", marks=pytest.mark.slow)]
+)
 def test_gradient_real_decay_complex_inputs(backend):
     # a real decay driving complex inputs: promoted inside, gradient back on the reals
     rng = np.random.default_rng(7)

@@ -132,7 +132,14 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("scan", SCANS, ids=["sequential", "associative"])
+# slow tier: the associative backend, whose values and gradients with resets equal
+# the sequential one's in test_backends_agree_values_and_gradients[rglru] (and the
+# loop's with negative decays in test_negative_decays)
+@pytest.mark.parametrize(
+    "scan",
+    [SCANS[0], pytest.param(SCANS[1], marks=pytest.mark.slow)],
+    ids=["sequential", "associative"],
+)
 @pytest.mark.parametrize("reset,with_h0", CASES)
 def test_rglru_matches_numpy_loop(scan, reset, with_h0, getkey):
     layer = random_gates(make_rglru(getkey(), scan), getkey())
@@ -149,7 +156,16 @@ def test_rglru_matches_numpy_loop(scan, reset, with_h0, getkey):
         np.testing.assert_allclose(y, layer(x, reset=reset_), rtol=1e-14)
 
 
-@pytest.mark.parametrize("reset,with_h0", CASES)
+# slow tier: three of the five; the block against the loop without resets, and with
+# resets and `h0`, in the fast tier (`h0` forgotten at a reset on step 0: test_rglru_
+# matches_numpy_loop[reset4-True-sequential])
+@pytest.mark.parametrize(
+    "reset,with_h0",
+    [
+        pytest.param(*case, marks=[] if i in (0, 3) else [pytest.mark.slow])
+        for i, case in enumerate(CASES)
+    ],
+)
 def test_hawk_matches_numpy_loop(reset, with_h0, getkey):
     block = make_hawk(getkey())
     block = eqx.tree_at(lambda b: b.rglru, block, random_gates(block.rglru, getkey()))
@@ -218,7 +234,11 @@ def loss(layer, x, reset, h0):
     return jnp.sum(jnp.sin(3 * layer(x, reset=reset, h0=h0)))
 
 
-@pytest.mark.parametrize("with_reset", [False, True])
+# slow tier: without resets; the row with resets runs the same derivatives and the
+# reset's
+@pytest.mark.parametrize(
+    "with_reset", [pytest.param(False, marks=pytest.mark.slow), True]
+)
 def test_rglru_gradients_match_finite_differences(with_reset, getkey):
     layer = random_gates(make_rglru(getkey()), getkey())
     x = jr.normal(getkey(), (T, N), jnp.float64)
@@ -249,6 +269,12 @@ def test_negative_decays(getkey):
     check_gradients(lambda t: loss(t[0], t[1], reset, t[2]), (layer, x, h0), getkey())
 
 
+# slow tier: the RG-LRU's gradients are checked against finite differences by
+# test_rglru_gradients_match_finite_differences[True] (with resets and `h0`); the
+# block's are of the same layer inside JAX-differentiated projections and
+# convolution, and agree between the backends in test_backends_agree_values_and_
+# gradients (slow for the block)
+@pytest.mark.slow
 def test_hawk_gradients_match_finite_differences(getkey):
     block = make_hawk(getkey())
     x = jr.normal(getkey(), (T, W), jnp.float64)
@@ -291,6 +317,10 @@ def test_gradients_stay_finite_as_the_decay_reaches_one(where, getkey):
 # ------------------------------------------------- step, chunks, backends, resets
 
 
+# the kinds, the block's row in the slow tier (the reason is given at each use)
+KINDS_HAWK_SLOW = ["rglru", pytest.param("hawk", marks=pytest.mark.slow)]
+
+
 def run_steps(layer, x, reset, state):
     outs = []
     for t in range(len(x)):
@@ -299,8 +329,11 @@ def run_steps(layer, x, reset, state):
     return state, jnp.stack(outs)
 
 
+# slow tier: without resets; the rows with a reset on step 0 step the same layers
 @pytest.mark.parametrize("kind", ["rglru", "hawk"])
-@pytest.mark.parametrize("reset", [None, RESET_AT_0])
+@pytest.mark.parametrize(
+    "reset", [pytest.param(None, marks=pytest.mark.slow), RESET_AT_0]
+)
 def test_step_equals_the_parallel_call(kind, reset, getkey):
     layer = make_rglru(getkey()) if kind == "rglru" else make_hawk(getkey())
     size = N if kind == "rglru" else W
@@ -316,8 +349,19 @@ def test_step_equals_the_parallel_call(kind, reset, getkey):
         np.testing.assert_allclose(a, b, rtol=1e-10, atol=1e-12)
 
 
-@pytest.mark.parametrize("kind", ["rglru", "hawk"])
-@pytest.mark.parametrize("split", [2, 4, 5, 7])  # 4, 5 at a segment start
+# slow tier: all but the RG-LRU split at a segment start (4); the block's state
+# (`final_state`, and `h0`) is checked by test_step_equals_the_parallel_call
+# [reset1-hawk] and test_hawk_matches_numpy_loop[reset3-True]
+@pytest.mark.parametrize("kind", KINDS_HAWK_SLOW)
+@pytest.mark.parametrize(
+    "split",
+    [
+        pytest.param(2, marks=pytest.mark.slow),
+        4,
+        pytest.param(5, marks=pytest.mark.slow),
+        pytest.param(7, marks=pytest.mark.slow),
+    ],
+)  # 4, 5 at a segment start
 def test_chunks_with_the_state_carried_equal_one_call(kind, split, getkey):
     layer = make_rglru(getkey()) if kind == "rglru" else make_hawk(getkey())
     size = N if kind == "rglru" else W
@@ -336,7 +380,8 @@ def test_chunks_with_the_state_carried_equal_one_call(kind, split, getkey):
             np.testing.assert_allclose(a, b, rtol=1e-10, atol=1e-12)
 
 
-@pytest.mark.parametrize("kind", ["rglru", "hawk"])
+# slow tier: the block, whose recurrence is the RG-LRU's (the rest runs no scan)
+@pytest.mark.parametrize("kind", KINDS_HAWK_SLOW)
 def test_backends_agree_values_and_gradients(kind, getkey):
     key = getkey()
     size = N if kind == "rglru" else W
@@ -358,7 +403,10 @@ def test_backends_agree_values_and_gradients(kind, getkey):
         np.testing.assert_allclose(a, b, rtol=1e-10, atol=1e-12)
 
 
-@pytest.mark.parametrize("kind", ["rglru", "hawk"])
+# slow tier: the block, whose resets (convolution included) are checked against the
+# loop by test_hawk_matches_numpy_loop[reset3-True] and with a NaN in a document by
+# test_packed.py's test_step_mode_restarts_like_the_parallel_call[HawkBlock]
+@pytest.mark.parametrize("kind", KINDS_HAWK_SLOW)
 def test_reset_equals_separate_calls_on_each_segment(kind, getkey):
     layer = make_rglru(getkey()) if kind == "rglru" else make_hawk(getkey())
     size = N if kind == "rglru" else W
@@ -377,7 +425,10 @@ def test_reset_equals_separate_calls_on_each_segment(kind, getkey):
 # ------------------------------------------------------------- transformations
 
 
-@pytest.mark.parametrize("kind", ["rglru", "hawk"])
+# slow tier: the block, whose float32 parameters, half-precision input, `vmap` and
+# `jit` are those of the RG-LRU inside it (the fast row); its step mode is checked by
+# test_step_equals_the_parallel_call[reset1-hawk]
+@pytest.mark.parametrize("kind", KINDS_HAWK_SLOW)
 def test_vmap_jit_and_dtypes(kind, getkey):
     size = N if kind == "rglru" else W
     build = (
@@ -523,7 +574,8 @@ def test_annotations_hold(getkey):
         checked(type(block).step)(block, (state[1], state[0]), x[0])
 
 
-@pytest.mark.parametrize("conv_size", [1, 2])
+# slow tier: width 2; the degenerate width 1 (no state carried) stays fast
+@pytest.mark.parametrize("conv_size", [1, pytest.param(2, marks=pytest.mark.slow)])
 def test_hawk_short_convolutions(conv_size, getkey):
     block = eqx_seq.HawkBlock(
         W, lru_width=L, conv_size=conv_size, dtype=jnp.float64, key=getkey()

@@ -80,16 +80,18 @@ S5_OPTIONS = [
 ]
 
 
-# Every option with the sequential backend; the associative backend on the default
-# and bidirectional layers (the other options change only the coefficients, which
-# the backend never sees; `test_backends_agree_values_and_gradients` compares both).
-# The rest run with `-m slow`.
+# Every option with the sequential backend but `conj_sym=False` (the full system,
+# equal to the conjugate-symmetric one in test_conj_sym_equals_the_full_conjugate_
+# system); the associative backend on the default and bidirectional layers (the
+# other options change only the coefficients, which the backend never sees;
+# `test_backends_agree_values_and_gradients` compares both). The rest run with
+# `-m slow`.
 LOOP_CASES = [
     pytest.param(
         options,
         scan,
         marks=[]
-        if isinstance(scan, eqx_seq.SequentialScan)
+        if (isinstance(scan, eqx_seq.SequentialScan) and options != {"conj_sym": False})
         or options in ({}, {"bidirectional": True})
         else [pytest.mark.slow],
     )
@@ -112,7 +114,15 @@ def test_s5_matches_numpy_loop(options, scan, getkey):
     np.testing.assert_allclose(layer(u, dt=dt), reference(layer, u, dt), atol=1e-10)
 
 
-@pytest.mark.parametrize("bidirectional,scan", list(it.product([False, True], SCANS)))
+# slow tier: the two rows that repeat a backend; each backend runs once, one of them
+# bidirectional
+@pytest.mark.parametrize(
+    "bidirectional,scan",
+    [
+        pytest.param(*case, marks=[] if i in (0, 3) else [pytest.mark.slow])
+        for i, case in enumerate(it.product([False, True], SCANS))
+    ],
+)
 def test_lru_matches_numpy_loop(bidirectional, scan, getkey):
     layer = make("lru", getkey(), scan, bidirectional=bidirectional)
     u = jr.normal(getkey(), (T, H), jnp.float64)
@@ -187,6 +197,9 @@ def test_conj_sym_equals_the_full_conjugate_system(getkey):
     np.testing.assert_allclose(full(u), y, atol=1e-12)
 
 
+# slow tier: the layers equal the linear, time-invariant reference loop in
+# test_s5_matches_numpy_loop and test_lru_matches_numpy_loop
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["s5", "lru"])
 def test_linear_and_time_invariant(kind, getkey):
     layer = make(kind, getkey())
@@ -210,7 +223,11 @@ def test_causality(bidirectional, getkey):
         assert np.all(changed[:7] == 0)
 
 
-@pytest.mark.parametrize("kind,with_dt", [("s5", False), ("s5", True), ("lru", False)])
+# slow tier: S5 without steps `dt`, a special case of the row with them
+@pytest.mark.parametrize(
+    "kind,with_dt",
+    [pytest.param("s5", False, marks=pytest.mark.slow), ("s5", True), ("lru", False)],
+)
 def test_step_mode_and_streaming_equal_the_parallel_call(kind, with_dt, getkey):
     layer = make(kind, getkey(), eqx_seq.AssociativeScan())
     u = jr.normal(getkey(), (T, H), jnp.float64)
@@ -251,7 +268,9 @@ def loss(layer, u, h0):
     return jnp.sum(jnp.sin(layer(u, h0=h0)))
 
 
-@pytest.mark.parametrize("kind", ["s5", "lru"])
+# slow tier: S5, whose recurrence (and its derivatives) is the LRU's diagonal one;
+# S5's values on both backends: test_s5_matches_numpy_loop
+@pytest.mark.parametrize("kind", [pytest.param("s5", marks=pytest.mark.slow), "lru"])
 def test_backends_agree_values_and_gradients(kind, getkey):
     key = getkey()
     u = jr.normal(getkey(), (T, H), jnp.float64)
@@ -269,12 +288,15 @@ def test_backends_agree_values_and_gradients(kind, getkey):
         np.testing.assert_allclose(a, b, atol=1e-10)
 
 
+# slow tier: the bilinear discretisation (JAX's derivatives of its coefficients, whose
+# values test_s5_matches_numpy_loop checks) and the bidirectional S5 (its reverse
+# scan's derivatives: test_recurrence.py's test_gradients with `reverse`)
 @pytest.mark.parametrize(
     "kind,options",
     [
         ("s5", {}),
-        ("s5", {"discretisation": "bilinear"}),
-        ("s5", {"bidirectional": True}),
+        pytest.param("s5", {"discretisation": "bilinear"}, marks=pytest.mark.slow),
+        pytest.param("s5", {"bidirectional": True}, marks=pytest.mark.slow),
         ("lru", {}),
     ],
 )
@@ -320,9 +342,14 @@ def test_gradient_wrt_h0_matches_finite_differences(getkey):
     np.testing.assert_allclose(directional_derivative(g, direction), fd, rtol=1e-6)
 
 
+# slow tier: S5 without steps and `h0`, a special case of the row with them
 @pytest.mark.parametrize(
     "kind,with_dt,with_h0",
-    [("s5", False, False), ("s5", True, True), ("lru", False, True)],
+    [
+        pytest.param("s5", False, False, marks=pytest.mark.slow),
+        ("s5", True, True),
+        ("lru", False, True),
+    ],
 )
 def test_parameter_jacobians_match_dense_jacfwd(kind, with_dt, with_h0, getkey):
     layer = make(kind, getkey(), eqx_seq.AssociativeScan())
@@ -380,6 +407,10 @@ def test_eigenvalue_jacobian_is_holomorphic(getkey):
     )
 
 
+# slow tier: float32 S5 runs in test_edge_cases.py's test_ssm_half_precision_inputs_
+# are_computed_in_the_parameters_dtype, and layers under `jax.vmap` and `jax.jit` in
+# test_shard_map.py's test_ssm_layers[S5Block-sequential]
+@pytest.mark.slow
 def test_jit_vmap_and_dtypes(getkey):
     layer = eqx_seq.S5(H, 8, key=getkey(), dtype=jnp.float32)
     u = jr.normal(getkey(), (5, T, H), jnp.float32)
@@ -460,6 +491,10 @@ def test_block_dropout_one_mask_over_time(getkey):
     )
 
 
+# slow tier: the block's state is its layer's, whose streaming test_step_mode_and_
+# streaming_equal_the_parallel_call checks (the block's step mode: test_block_
+# matches_a_hand_written_block)
+@pytest.mark.slow
 def test_block_chunks_equal_one_call(getkey):
     block = eqx_seq.S5Block(
         eqx_seq.LRU(H, 4, key=getkey(), dtype=jnp.float64), key=getkey()
@@ -471,6 +506,11 @@ def test_block_chunks_equal_one_call(getkey):
     )
 
 
+# slow tier: `s5_optimizer` (the labels driving `optax.multi_transform`) trains a
+# model of S5 blocks in test_models.py's test_training_step_reduces_the_loss[lm]; the
+# labels of every layer are read in test_selective.py's test_recurrent_layers_
+# declare_the_contract
+@pytest.mark.slow
 def test_ssm_param_labels_drive_multi_transform(getkey):
     import optax
 

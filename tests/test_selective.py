@@ -102,8 +102,29 @@ def test_selective_scan_runs_what_a_user_backend_declares(getkey):
         np.testing.assert_allclose(h, h_ref, rtol=1e-10, atol=1e-12)
 
 
-@pytest.mark.parametrize("scan", SCANS.values(), ids=SCANS.keys())
-@pytest.mark.parametrize("chunk_size", [1, 4, 7, 64])
+# the chunks are the associative backend's: every chunk size for it in the fast
+# tier, one each for the sequential backends (their fused loop takes no chunks).
+# Slow tier: the sequential backends' other chunk sizes.
+_LOOP_FAST = [
+    ("sequential", 4),
+    ("unrolled", 7),
+    *(("associative", chunk) for chunk in [1, 4, 7, 64]),
+]
+
+
+@pytest.mark.parametrize(
+    "chunk_size,scan",
+    [
+        pytest.param(
+            chunk_size,
+            scan,
+            id=f"{chunk_size}-{name}",
+            marks=[] if (name, chunk_size) in _LOOP_FAST else [pytest.mark.slow],
+        )
+        for chunk_size in [1, 4, 7, 64]
+        for name, scan in SCANS.items()
+    ],
+)
 def test_selective_scan_matches_numpy_loop(scan, chunk_size, getkey):
     p = problem(getkey())
     y, h = eqx_seq.selective_scan(
@@ -138,9 +159,16 @@ def check_every_argument(loss, p, grads, getkey):
         np.testing.assert_allclose(got, expected, rtol=1e-6, err_msg=name)
 
 
+# slow tier: the sequential adjoint again, with another chunk size or unrolled; the
+# two adjoints run in the fast tier (sequential-4, associative-4)
 @pytest.mark.parametrize(
     "scan, chunk_size",
-    [("sequential", 4), ("sequential", 64), ("unrolled", 4), ("associative", 4)],
+    [
+        ("sequential", 4),
+        pytest.param("sequential", 64, marks=pytest.mark.slow),
+        pytest.param("unrolled", 4, marks=pytest.mark.slow),
+        ("associative", 4),
+    ],
 )
 def test_selective_scan_gradients_match_finite_differences(scan, chunk_size, getkey):
     # the sequential backends run the fused step loop, the others the chunks
@@ -158,7 +186,11 @@ def test_selective_scan_gradients_match_finite_differences(scan, chunk_size, get
     check_every_argument(loss, p, jax.grad(loss)(p), getkey)
 
 
-@pytest.mark.parametrize("scan", ["sequential", "associative"])
+# slow tier: the fused loop's negative decays, checked through the Mamba layer (on
+# the CPU's default sequential backend) by test_mamba_negative_decays
+@pytest.mark.parametrize(
+    "scan", [pytest.param("sequential", marks=pytest.mark.slow), "associative"]
+)
 def test_selective_scan_negative_decays(scan, getkey):
     """Decays `2 exp(delta A) - 1`, on both kernels (the fused loop, the chunks
     through `recurrence`): values against the loop, every argument's gradient
@@ -190,6 +222,10 @@ def test_selective_scan_negative_decays(scan, getkey):
     check_every_argument(loss, p, grads, getkey)
 
 
+# slow tier: streaming with `h0` and the last state is checked through the layers by
+# test_mamba_block (`final_state`, then `h0`) and test_selective_scan_reset_is_
+# separate_calls (`h0`, the last state)
+@pytest.mark.slow
 def test_selective_scan_streams_in_chunks(getkey):
     p = problem(getkey(), T=30)
     args = ("u", "delta", "B", "C", "z")
@@ -208,7 +244,11 @@ def test_selective_scan_streams_in_chunks(getkey):
     np.testing.assert_allclose(h2, h, rtol=1e-12)
 
 
-@pytest.mark.parametrize("scan", ["sequential", "associative"])
+# slow tier: the associative backend's chunks; the bound is checked in the fast tier
+# on the CPU's default (sequential) backend
+@pytest.mark.parametrize(
+    "scan", ["sequential", pytest.param("associative", marks=pytest.mark.slow)]
+)
 def test_selective_scan_gradient_does_not_store_the_states(scan):
     # T * D * N float64 states would take 32 MiB; the gradient's working memory
     # must stay far below (chunk-boundary states and one chunk's worth)
@@ -317,6 +357,9 @@ def mamba_reference(layer: eqx_seq.Mamba, x):
     return y @ w["out"].T
 
 
+# slow tier: test_mamba_negative_decays checks the layer against the same NumPy
+# equations (with decays below zero, and its step mode and gradients)
+@pytest.mark.slow
 def test_mamba_matches_numpy(getkey):
     layer = eqx_seq.Mamba(6, state_size=4, expand=2, dt_rank=2, key=getkey())
     x = jr.normal(getkey(), (21, 6))
@@ -362,6 +405,10 @@ def test_mamba_initialisation(getkey):
     np.testing.assert_array_equal(layer.D, 1.0)
 
 
+# slow tier: Mamba's step mode is checked by test_mamba_negative_decays, streaming
+# through `final_state` and `h0` by test_mamba_block, and the backends agree on the
+# selective scan itself (test_selective_scan_matches_numpy_loop)
+@pytest.mark.slow
 @pytest.mark.parametrize("scan", SCANS.values(), ids=SCANS.keys())
 def test_mamba_step_streaming_and_backends(scan, getkey):
     key = getkey()
@@ -385,6 +432,10 @@ def test_mamba_step_streaming_and_backends(scan, getkey):
         np.testing.assert_allclose(a, b, rtol=1e-10, atol=1e-12)
 
 
+# slow tier: test_mamba_negative_decays checks the layer's gradients against finite
+# differences (the selective scan's own: test_selective_scan_gradients_match_finite_
+# differences)
+@pytest.mark.slow
 def test_mamba_gradients_match_finite_differences(getkey):
     layer = eqx_seq.Mamba(4, state_size=3, chunk_size=4, key=getkey())
     x = jr.normal(getkey(), (11, 4))
@@ -570,7 +621,11 @@ def test_recurrent_layers_declare_the_contract(getkey):
 # ------------------------------------------------------------- packed sequences
 
 
-@pytest.mark.parametrize("scan", ["sequential", "associative"])
+# slow tier: the fused loop's resets, checked with a NaN in a document by
+# test_packed.py's test_a_bad_segment_stays_in_its_segment[selective_scan-sequential]
+@pytest.mark.parametrize(
+    "scan", [pytest.param("sequential", marks=pytest.mark.slow), "associative"]
+)
 def test_selective_scan_reset_is_separate_calls(scan, getkey):
     p = problem(getkey(), T=23)
     starts = [0, 6, 7, 15]  # a one-step segment too
@@ -611,6 +666,10 @@ def test_selective_scan_reset_is_separate_calls(scan, getkey):
     )
 
 
+# slow tier: test_packed.py checks Mamba's resets (test_a_bad_segment_stays_in_its_
+# segment[MambaBlock-associative]) and its step mode across them (test_step_mode_
+# restarts_like_the_parallel_call[MambaBlock])
+@pytest.mark.slow
 def test_mamba_reset_is_separate_calls(getkey):
     layer = eqx_seq.Mamba(4, state_size=3, chunk_size=4, key=getkey())
     block = eqx_seq.MambaBlock(layer)

@@ -60,9 +60,28 @@ def _assert_close(x, y, rtol=1e-10, atol=1e-12, max_abs=None):
             assert float(np.max(np.abs(np.asarray(a) - np.asarray(b)))) < max_abs
 
 
-@pytest.mark.parametrize("inner", list(INNER))
-@pytest.mark.parametrize("reverse", [False, True])
-@pytest.mark.parametrize("decay", ["invariant, complex", "varying, real"])
+# slow tier: six of the eight; the fast tier splits each kind of decay once, forward
+# on the sequential inner backend and in reverse on the associative one
+@pytest.mark.parametrize(
+    "decay,reverse,inner",
+    [
+        pytest.param(
+            decay,
+            reverse,
+            inner,
+            marks=[]
+            if (decay, reverse, inner)
+            in [
+                ("invariant, complex", False, "sequential"),
+                ("varying, real", True, "associative"),
+            ]
+            else [pytest.mark.slow],
+        )
+        for decay in ["invariant, complex", "varying, real"]
+        for reverse in [False, True]
+        for inner in INNER
+    ],
+)
 def test_linear_recurrence(decay, reverse, inner):
     """Values and gradients with respect to `a`, `b` and `h0` equal the one-device
     ones, for both directions and both kinds of decay, on four blocks of 10 steps
@@ -107,6 +126,10 @@ def test_initial_and_final_state():
         _assert_close(final, expected[0] if reverse else expected[-1])
 
 
+# slow tier: the last device's final state is checked by test_initial_and_final_state
+# (the recurrence) and by test_sequence_parallel_selective.py's
+# test_initial_and_final_state (a layer's `final_state`)
+@pytest.mark.slow
 def test_final_state():
     """`S5.final_state` on the last device is the whole sequence's."""
     one = eqx_seq.S5(3, 8, scan=eqx_seq.SequentialScan(), key=jr.key(0))
@@ -146,13 +169,25 @@ def test_recurrence_jacobians():
     _assert_close(split(b, h0), eqx_seq.recurrence_jacobians(a, b, h0))
 
 
+# slow tier: all but the bidirectional S5 (both directions of the exchange in one
+# layer); the LRU's and S5's forward scans are the same diagonal recurrence, and the
+# RG-LRU is split in test_sequence_parallel_selective.py's test_layers[hawk-True]
 @pytest.mark.parametrize(
     "make",
     [
-        lambda scan, key: eqx_seq.S5(3, 8, scan=scan, key=key),
+        pytest.param(
+            lambda scan, key: eqx_seq.S5(3, 8, scan=scan, key=key),
+            marks=pytest.mark.slow,
+        ),
         lambda scan, key: eqx_seq.S5(3, 8, bidirectional=True, scan=scan, key=key),
-        lambda scan, key: eqx_seq.LRU(3, 8, scan=scan, key=key),
-        lambda scan, key: eqx_seq.RGLRU(4, num_heads=2, scan=scan, key=key),
+        pytest.param(
+            lambda scan, key: eqx_seq.LRU(3, 8, scan=scan, key=key),
+            marks=pytest.mark.slow,
+        ),
+        pytest.param(
+            lambda scan, key: eqx_seq.RGLRU(4, num_heads=2, scan=scan, key=key),
+            marks=pytest.mark.slow,
+        ),
     ],
     ids=["s5", "s5-bidirectional", "lru", "rglru"],
 )
@@ -181,6 +216,9 @@ def test_layers(make):
     _assert_close(g_split, g_one, rtol=1e-9, max_abs=1e-9)
 
 
+# slow tier: a language model on a split token stream is checked by
+# test_sequence_parallel_selective.py's test_language_model[rglru]
+@pytest.mark.slow
 def test_language_model():
     """`LanguageModel` (S5 blocks) on one token stream split over the devices: the
     logits and the gradient of a next-token loss equal one device's."""

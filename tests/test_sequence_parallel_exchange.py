@@ -57,10 +57,36 @@ def _outputs_and_grads(fn, w, args, argnums=0):
     return out, grads
 
 
-@pytest.mark.parametrize("devices", [4, 3], ids=["four", "three"])
-@pytest.mark.parametrize("exchange", EXCHANGES)
-@pytest.mark.parametrize("reverse", [False, True])
-@pytest.mark.parametrize("decay", ["invariant, complex", "varying, real"])
+# slow tier: 14 of the 16; the fast tier runs `all_gather` forward on four devices
+# with a shared decay and `ppermute` in reverse on three (its last round reaching
+# some devices only) with a split one; `ppermute`'s two full rounds on four devices
+# give the values of one device in test_exchange_parallel_inner
+_DEVICE_IDS = {4: "four", 3: "three"}
+_EXCHANGE_FAST = [
+    ("invariant, complex", False, "all_gather", 4),
+    ("varying, real", True, "ppermute", 3),
+]
+
+
+@pytest.mark.parametrize(
+    "decay,reverse,exchange,devices",
+    [
+        pytest.param(
+            decay,
+            reverse,
+            exchange,
+            devices,
+            id=f"{decay}-{reverse}-{exchange}-{_DEVICE_IDS[devices]}",
+            marks=[]
+            if (decay, reverse, exchange, devices) in _EXCHANGE_FAST
+            else [pytest.mark.slow],
+        )
+        for decay in ["invariant, complex", "varying, real"]
+        for reverse in [False, True]
+        for exchange in EXCHANGES
+        for devices in [4, 3]
+    ],
+)
 def test_exchange(decay, reverse, exchange, devices):
     """Values and gradients w.r.t. `a`, `b` and `h0` equal one device's (within
     1e-11 absolute too), both of `linear_recurrence` (hand-written derivatives) and
@@ -108,7 +134,11 @@ def test_bad_exchange():
             eqx_seq.ShardedScan("seq", exchange=exchange)
 
 
-@pytest.mark.parametrize("pooling", ["mean", "last"])
+# slow tier: mean pooling (a sum over the devices); last pooling, kept fast, runs the
+# same masks and takes its step from the device that holds the last valid one
+@pytest.mark.parametrize(
+    "pooling", [pytest.param("mean", marks=pytest.mark.slow), "last"]
+)
 def test_classifier(pooling):
     """`SequenceClassifier` on one sequence split over four devices (blocks of 5
     steps): every device returns the whole sequence's logits, and they and the
@@ -174,8 +204,16 @@ def test_classifier(pooling):
         check(mixer, valids)
 
 
+# slow tier: S5 without steps and the LRU, whose Jacobians cross the split by the
+# same exchange as S5's with steps
 @pytest.mark.parametrize(
-    "kind,with_dt", [("s5", False), ("s5", True), ("lru", False)], ids=str
+    "kind,with_dt",
+    [
+        pytest.param("s5", False, marks=pytest.mark.slow),
+        ("s5", True),
+        pytest.param("lru", False, marks=pytest.mark.slow),
+    ],
+    ids=str,
 )
 def test_parameter_jacobians(kind, with_dt):
     """S5/LRU `parameter_jacobians` on one sequence split over four devices, with

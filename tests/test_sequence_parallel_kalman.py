@@ -111,9 +111,14 @@ def _trim(model, T):
 
 
 # each inner backend once, each model once: the split (elements, exchange, the
-# blocks' filters from the state before them) is the same for both models
+# blocks' filters from the state before them) is the same for both models. Slow
+# tier: the associative inner backend, which the one-device tests check.
 @pytest.mark.parametrize(
-    "name, inner", [("plain", "associative"), ("all", "sequential")]
+    "name, inner",
+    [
+        pytest.param("plain", "associative", marks=pytest.mark.slow),
+        ("all", "sequential"),
+    ],
 )
 def test_filter_smoother_and_gradient(name, inner):
     """On four blocks of 9 steps, from one compiled program: every per-step output
@@ -169,7 +174,13 @@ def test_prior_options(options):
     np.testing.assert_allclose(ll, f.log_likelihood, rtol=1e-10)
 
 
-@pytest.mark.parametrize("settles", [True, False], ids=["settles", "falls_back"])
+# slow tier: the fallback, whose every-step-exact element test_filter_smoother_and_
+# gradient checks (the steady-state tests of one device check the fallback itself)
+@pytest.mark.parametrize(
+    "settles",
+    [True, pytest.param(False, marks=pytest.mark.slow)],
+    ids=["settles", "falls_back"],
+)
 def test_steady_state_blocks(settles):
     """A time-invariant model with complete data and blocks long enough to settle:
     each block's element uses the steady-state filter's tail (closed-form linear
@@ -202,6 +213,7 @@ def test_steady_state_blocks(settles):
         np.testing.assert_allclose(g, g1, rtol=1e-8, atol=1e-10)
 
 
+@pytest.mark.slow  # blocks of many chunks: only long sequences on many devices
 @pytest.mark.parametrize(
     "name, chunk", [("all", 7), ("steady", 150)], ids=["exact", "steady"]
 )
@@ -227,6 +239,7 @@ def test_chunked_elements(name, chunk):
         np.testing.assert_allclose(g, g1, rtol=1e-8, atol=1e-10)
 
 
+@pytest.mark.slow  # vmap inside shard_map: the split's programs under a batch axis
 def test_batch_of_split_sequences():
     """`jax.vmap` over sequences inside the `shard_map`, each split over time (a
     missing entry in one sequence only): log-likelihoods, their gradient and the

@@ -126,9 +126,26 @@ SELECTIVE_CASES = {
 TIME_AXIS = ("u", "delta", "B", "C", "z")
 
 
-@pytest.mark.parametrize("inner", ["sequential", "associative"])
-@pytest.mark.parametrize("reset", [False, True])
-@pytest.mark.parametrize("case", list(SELECTIVE_CASES))
+# slow tier: all but `h0, D, z` with resets and the sequential inner backend; the
+# associative inner backend under resets is checked by test_block_maps_respect_
+# resets, a split without resets by test_selective_scan_h0_on_first_device, and the
+# other options act on each block's steps alone
+@pytest.mark.parametrize(
+    "case,reset,inner",
+    [
+        pytest.param(
+            case,
+            reset,
+            inner,
+            marks=[]
+            if (case, reset, inner) == ("h0, D, z", True, "sequential")
+            else [pytest.mark.slow],
+        )
+        for case in SELECTIVE_CASES
+        for reset in [False, True]
+        for inner in ["sequential", "associative"]
+    ],
+)
 def test_selective_scan(case, reset, inner):
     """Values, final state and gradients with respect to every array argument equal
     one device's, with chunks that do not divide a block (padding), with resets in
@@ -212,7 +229,11 @@ def test_selective_scan_h0_on_first_device():
     _assert_close(jax.jit(split)(x["u"], x["delta"], x["B"], x["C"], h0s), expected)
 
 
-@pytest.mark.parametrize("inner", ["sequential", "associative"])
+# slow tier: the sequential inner backend, whose maps under resets test_selective_
+# scan checks
+@pytest.mark.parametrize(
+    "inner", [pytest.param("sequential", marks=pytest.mark.slow), "associative"]
+)
 def test_block_maps_respect_resets(inner):
     """Growing decays (`A > 0`: a decay above one) with a segment starting every
     two steps: every state is finite on one device, and a block's map must be zero
@@ -280,8 +301,21 @@ LAYERS = {
 }
 
 
-@pytest.mark.parametrize("reset", [False, True])
-@pytest.mark.parametrize("name", list(LAYERS))
+# slow tier: the layers without resets (a split without resets: test_selective_scan_
+# h0_on_first_device, test_language_model) and `Mamba` alone, which `MambaBlock`
+# runs
+@pytest.mark.parametrize(
+    "name,reset",
+    [
+        pytest.param(
+            name,
+            reset,
+            marks=[] if reset and name != "mamba" else [pytest.mark.slow],
+        )
+        for name in LAYERS
+        for reset in [False, True]
+    ],
+)
 def test_layers(name, reset):
     """A layer on one sequence split over four devices (blocks of 6 steps, chunks of
     the selective scan that do not divide them): outputs and the gradients with
@@ -322,7 +356,16 @@ def test_layers(name, reset):
     _assert_close(g_split, g_one, max_abs=1e-10)
 
 
-@pytest.mark.parametrize("name", ["mamba", "hawk", "mamba2"])
+# slow tier: Hawk and Mamba-2, whose convolution and recurrence states cross a split
+# as Mamba's do
+@pytest.mark.parametrize(
+    "name",
+    [
+        "mamba",
+        pytest.param("hawk", marks=pytest.mark.slow),
+        pytest.param("mamba2", marks=pytest.mark.slow),
+    ],
+)
 def test_initial_and_final_state(name):
     """Streaming across a split: `h0` (convolution and recurrence) is the first
     device's, and `final_state` on the last device is the whole sequence's."""
@@ -347,7 +390,10 @@ def test_initial_and_final_state(name):
     _assert_close(jax.tree.map(lambda s: s[-1], finals), one.final_state(x, h0=h0))
 
 
-@pytest.mark.parametrize("mixer", ["mamba", "rglru"])
+# slow tier: Mamba blocks, split on four devices by test_layers[mamba-block-True]
+@pytest.mark.parametrize(
+    "mixer", [pytest.param("mamba", marks=pytest.mark.slow), "rglru"]
+)
 def test_language_model(mixer):
     """`LanguageModel` with Mamba or Hawk blocks on one token stream split over the
     devices: the logits and the gradient of a next-token loss equal one device's."""

@@ -74,8 +74,23 @@ def check_layer(layer, data, **kwargs):
     check_sharded(fn, params, data, **kwargs)
 
 
-@pytest.mark.parametrize("scan", SCANS.values(), ids=SCANS.keys())
-@pytest.mark.parametrize("shared_decay", [True, False], ids=["shared-a", "per-seq-a"])
+# slow tier: a shared decay on the associative backend and per-sequence decays on
+# the sequential one; each backend and each kind of decay runs once in the fast tier
+@pytest.mark.parametrize(
+    "shared_decay,scan",
+    [
+        pytest.param(True, SCANS["sequential"], id="shared-a-sequential"),
+        pytest.param(
+            True, SCANS["associative"], id="shared-a-associative",
+            marks=pytest.mark.slow,
+        ),
+        pytest.param(
+            False, SCANS["sequential"], id="per-seq-a-sequential",
+            marks=pytest.mark.slow,
+        ),
+        pytest.param(False, SCANS["associative"], id="per-seq-a-associative"),
+    ],
+)  # fmt: skip
 def test_linear_recurrence(scan, shared_decay, getkey):
     b = jr.normal(getkey(), (4, 16, 3))
     h0 = jr.normal(getkey(), (4, 3))
@@ -94,7 +109,13 @@ def test_linear_recurrence(scan, shared_decay, getkey):
         check_sharded(fn, jnp.zeros(()), (a, b, h0))
 
 
-@pytest.mark.parametrize("method", ["sequential", "associative", "pivoting"], ids=str)
+# slow tier: the associative solve; the backends are covered by test_linear_
+# recurrence, and the solve's own run-time check under the split by the sequential row
+@pytest.mark.parametrize(
+    "method",
+    ["sequential", pytest.param("associative", marks=pytest.mark.slow), "pivoting"],
+    ids=str,
+)
 def test_tridiagonal_solve(method, getkey):
     # time-major (n, systems): the systems are split over the devices
     n, systems = 9, 6
@@ -122,17 +143,21 @@ def test_tridiagonal_solve(method, getkey):
             jax.block_until_ready(eqx.filter_jit(sharded)(jnp.zeros(()), *args))
 
 
+# slow tier: the layers that a fast row runs inside a block (S5 in S5Block, Mamba in
+# MambaBlock), the LRU (S5's diagonal recurrence, its own coefficients), the
+# bidirectional S5 (its reverse scan is the recurrence's) and HawkBlock (the RG-LRU
+# row, with a convolution as MambaBlock's)
 @pytest.mark.parametrize(
     "kind, scan",
     [
-        ("S5", SCANS["sequential"]),
-        ("S5-bidirectional", SCANS["associative"]),
-        ("LRU", SCANS["associative"]),
+        pytest.param("S5", SCANS["sequential"], marks=pytest.mark.slow),
+        pytest.param("S5-bidirectional", SCANS["associative"], marks=pytest.mark.slow),
+        pytest.param("LRU", SCANS["associative"], marks=pytest.mark.slow),
         ("S5Block", SCANS["sequential"]),
-        ("Mamba", SCANS["sequential"]),
+        pytest.param("Mamba", SCANS["sequential"], marks=pytest.mark.slow),
         ("MambaBlock", SCANS["associative"]),
         ("RGLRU", SCANS["associative"]),
-        ("HawkBlock", SCANS["sequential"]),
+        pytest.param("HawkBlock", SCANS["sequential"], marks=pytest.mark.slow),
     ],
     ids=[
         "S5-sequential",
@@ -179,7 +204,16 @@ def test_s5_jacobians_and_streaming(getkey):
     check_sharded(fn, params, (jr.normal(getkey(), (4, 12, 5)),), grad=False)
 
 
-@pytest.mark.parametrize("scan", SCANS.values(), ids=SCANS.keys())
+# slow tier: the sequential backend, whose tridiagonal solve under `jax.shard_map` is
+# checked by test_tridiagonal_solve[sequential]
+@pytest.mark.parametrize(
+    "scan",
+    [
+        pytest.param(SCANS["sequential"], marks=pytest.mark.slow),
+        SCANS["associative"],
+    ],
+    ids=SCANS.keys(),
+)
 def test_tridiagonal_implicit(scan, getkey):
     layer = eqx_seq.TridiagonalImplicit(3, scan=scan, key=getkey())
     check_layer(layer, (jr.normal(getkey(), (4, 10, 3)),))
@@ -188,7 +222,10 @@ def test_tridiagonal_implicit(scan, getkey):
 @pytest.mark.parametrize(
     "scan",
     [
-        SCANS["sequential"],
+        # slow tier: the Kalman filter, smoother and log-likelihood gradient inside
+        # `jax.shard_map` are checked by test_sequence_parallel_kalman.py's
+        # test_filter_smoother_and_gradient (a time axis split, `check_vma` on)
+        pytest.param(SCANS["sequential"], marks=pytest.mark.slow),
         # about a minute of compiling; the parallel filter's own branches
         pytest.param(SCANS["associative"], marks=pytest.mark.slow),
     ],
@@ -236,6 +273,9 @@ def test_embedding(out_of_range, getkey):
             jax.block_until_ready(eqx.filter_jit(sharded)(params, ids.at[3, 2].set(20)))
 
 
+# slow tier: the model's parts are split in the fast tier (the S5 block in
+# test_ssm_layers[S5Block-sequential], the embedding in test_embedding)
+@pytest.mark.slow
 def test_language_model(getkey):
     model = eqx_seq.LanguageModel(16, width=8, depth=1, state_size=4, key=getkey())
     ids = jr.randint(getkey(), (4, 10), 0, 16)

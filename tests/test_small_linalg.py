@@ -22,6 +22,9 @@ def test_cholesky_and_inverse_match_numpy(n):
     np.testing.assert_array_equal(small_linalg.cholesky(jnp.asarray(A + upper)), L)
 
 
+# slow tier: test_inverse_cholesky_rule_matches_finite_differences checks the
+# rule's derivative; this adds autodiff through the unrolled factorisations
+@pytest.mark.slow
 def test_gradient_matches_lapack_on_symmetric_inputs():
     # through a symmetric construction (as in the Kalman whitening), the gradient
     # equals the one through jnp.linalg.cholesky / solve_triangular
@@ -73,6 +76,9 @@ def test_not_positive_definite_gives_nan(n):
     assert np.isnan(np.asarray(small_linalg.cholesky(A))).any()
 
 
+# slow tier: test_not_positive_definite_gives_nan[17] runs the factorisation by
+# columns fast; this adds its values beyond the entrywise size
+@pytest.mark.slow
 def test_by_columns_beyond_the_entrywise_size():
     rng = np.random.default_rng(3)
     X = rng.normal(size=(2, 20, 20))
@@ -89,8 +95,17 @@ def _np_tria(A):
     return np.swapaxes(R * d[..., :, None], -1, -2)
 
 
+# slow tier: both forms run fast on (4, 4); the other shapes (a batch, a wide
+# matrix) are more sizes of the same steps, which the Kalman tests run batched
 @pytest.mark.parametrize("loop", [False, True])
-@pytest.mark.parametrize("shape", [(3, 5, 9), (4, 4), (6, 13)])
+@pytest.mark.parametrize(
+    "shape",
+    [
+        pytest.param((3, 5, 9), marks=pytest.mark.slow),
+        (4, 4),
+        pytest.param((6, 13), marks=pytest.mark.slow),
+    ],
+)
 def test_tria_matches_householder(shape, loop):
     rng = np.random.default_rng(len(shape))
     A = rng.normal(size=shape)
@@ -119,6 +134,9 @@ def test_tria_rows_of_very_different_scales():
     np.testing.assert_allclose(L[1:, 1:], ref[1:, 1:], rtol=1e-5)
 
 
+# slow tier: test_tria_matches_householder checks `tria`'s values and tangents;
+# this adds rank-deficient inputs and `tria_gram`, which the Kalman tests run
+@pytest.mark.slow
 def test_tria_gram_of_a_rank_deficient_matrix():
     """Zero and repeated rows: finite values and derivatives, the right Gramian
     and a tangent of it (`dL L^T + L dL^T = d(A A^T)`), in forward and reverse

@@ -135,14 +135,22 @@ def _case(name):
     return arrays, options, reset, c["chunk"]
 
 
+# slow tier: all but the resets on the sequential backend; the associative backend's
+# chunks with resets, negative decays, groups, `z`, `D` and `dt_bias` are checked
+# against the NumPy loop by test_non_finite_inputs_reach_only_what_depends_on_them
+# [associative-8-True]
 @pytest.mark.parametrize(
     "name, backend",
     [
-        ("plain", "sequential"),
-        ("groups, D, z, h0, bias, limit", "associative"),
+        pytest.param("plain", "sequential", marks=pytest.mark.slow),
+        pytest.param(
+            "groups, D, z, h0, bias, limit", "associative", marks=pytest.mark.slow
+        ),
         ("resets, h0, D", "sequential"),
-        ("resets, h0, D", "associative"),
-        ("negative decays, zero decay, groups", "sequential"),
+        pytest.param("resets, h0, D", "associative", marks=pytest.mark.slow),
+        pytest.param(
+            "negative decays, zero decay, groups", "sequential", marks=pytest.mark.slow
+        ),
     ],
 )
 def test_matches_the_recurrent_form(name, backend):
@@ -240,6 +248,10 @@ def test_half_precision_is_computed_in_float32():
     )
 
 
+# slow tier: `jax.vmap` of the scan's custom derivative; the scan's gradient is
+# checked in the fast tier by test_matches_the_recurrent_form[resets, h0, D-
+# sequential] and its split by test_split_over_devices_equals_one_device
+@pytest.mark.slow
 def test_batched_gradient_equals_each_example():
     """`jax.grad` of a loss summed over a `jax.vmap` of `ssd_scan` (as a model's
     batch is trained), with per-example or shared `h0` and resets and a shared `A`:
@@ -289,6 +301,9 @@ def test_batched_gradient_equals_each_example():
             np.testing.assert_allclose(got[k], want, rtol=1e-12, atol=1e-14)
 
 
+# slow tier: a bound on memory, not on numbers (the selective scan's counterpart,
+# test_selective.py's test_selective_scan_gradient_does_not_store_the_states, is fast)
+@pytest.mark.slow
 def test_gradient_keeps_chunk_states_not_step_states():
     """The residuals of the gradient: nothing of the size of the `(T, H, P, N)`
     states, and in all at most the inputs plus a few arrays of chunk states
@@ -363,9 +378,15 @@ def test_split_over_devices_equals_one_device():
         np.testing.assert_allclose(g, g1, rtol=1e-9, atol=1e-11, err_msg=k)
 
 
+# slow tier: the sequential backend, whose resets test_matches_the_recurrent_form
+# [resets, h0, D-sequential] checks, and its packing with a NaN in a document
+# test_packed.py's test_stacked_blocks_keep_documents_apart[Mamba2Block]
 @pytest.mark.parametrize(
     "backend, chunk, negative",
-    [("sequential", 4, False), ("associative", 8, True)],
+    [
+        pytest.param("sequential", 4, False, marks=pytest.mark.slow),
+        ("associative", 8, True),
+    ],
 )
 def test_non_finite_inputs_reach_only_what_depends_on_them(backend, chunk, negative):
     """Two packed documents: NaN and inf in `x`, `dt`, `B`, `C` and `z` of the

@@ -97,17 +97,25 @@ def test_complex_and_float32(backend):
     np.testing.assert_allclose(x32, scipy_solve(*args32, 1), rtol=2e-5, atol=2e-6)
 
 
+# slow tier: the first case (time-major blocks with a remainder) and the last (tiles
+# on both sides, every input broadcast) run fast; the others are more layouts of
+# the same blocking
+_SLOW = dict(marks=pytest.mark.slow)
+
+
 @pytest.mark.parametrize(
     "shapes,axis",
     [
         # (lower, diag, upper, rhs) shapes; the solve runs along `axis`
         ([(6, 23)] * 4, 0),  # time-major, 23 = 4 blocks of 5 + 3
-        ([(6, 1), (6, 1), (6, 1), (6, 23)], 0),  # shared diagonals
-        ([(6, 23), (6, 23), (6, 1), (6, 23)], 0),
-        ([(17, 6)] * 4, 1),  # systems along the leading axis: tiles of 5 rows
-        ([(1, 6), (17, 6), (1, 6), (17, 6)], 1),
-        ([(7, 6, 2)] * 4, 1),  # both sides: tiles of 2 x 2 systems
-        ([(7, 6, 1), (1, 6, 2), (7, 6, 2), (7, 6, 2)], 1),
+        pytest.param([(6, 1), (6, 1), (6, 1), (6, 23)], 0, **_SLOW),  # shared
+        pytest.param([(6, 23), (6, 23), (6, 1), (6, 23)], 0, **_SLOW),
+        # systems along the leading axis: tiles of 5 rows
+        pytest.param([(17, 6)] * 4, 1, **_SLOW),
+        pytest.param([(1, 6), (17, 6), (1, 6), (17, 6)], 1, **_SLOW),
+        # both sides: tiles of 2 x 2 systems
+        pytest.param([(7, 6, 2)] * 4, 1, **_SLOW),
+        pytest.param([(7, 6, 1), (1, 6, 2), (7, 6, 2), (7, 6, 2)], 1, **_SLOW),
         ([(1, 3, 6, 2), (4, 1, 6, 2), (4, 3, 6, 1), (4, 3, 6, 2)], 2),
     ],
 )
@@ -264,8 +272,10 @@ def test_grad_of_shared_diagonals(backend):
     [
         ("thomas", False, 2),
         ("thomas", True, 1),
-        ("pcr", False, 1),
-        ("pcr", True, 1),
+        # slow tier: PCR's derivatives run fast against dense solves in
+        # test_grad_matches_dense_solve and test_grad_of_shared_diagonals
+        pytest.param("pcr", False, 1, marks=pytest.mark.slow),
+        pytest.param("pcr", True, 1, marks=pytest.mark.slow),
         ("pivoting", False, 1),
     ],
 )
@@ -277,7 +287,12 @@ def test_derivatives_vs_finite_differences(backend, complex_, order):
     check_grads(f, args, order=order, modes=["fwd", "rev"], atol=1e-6, rtol=1e-6)
 
 
-@pytest.mark.parametrize("backend", ["thomas", "pcr", "pivoting"])
+# slow tier: the other backends, whose forward and reverse mode
+# test_derivatives_vs_finite_differences checks
+@pytest.mark.parametrize(
+    "backend",
+    ["thomas", *(pytest.param(b, marks=pytest.mark.slow) for b in ("pcr", "pivoting"))],
+)
 def test_jacfwd_jacrev_vmap(backend):
     rng = np.random.default_rng(6)
     kw = BACKENDS[backend]
@@ -326,22 +341,21 @@ def dense_solve(lower, diag, upper, rhs, axis):
     return jnp.moveaxis(jnp.linalg.solve(A, rhs[..., None])[..., 0], -1, axis)
 
 
+# slow tier: test_derivatives_vs_finite_differences checks the Thomas path's jvp
+# rule (to second order, complex too) against finite differences, and
+# test_blocked_sweeps_match_scipy the blocked sweeps and factored solves; this adds
+# the rule in blocks
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "shapes,axis,complex_,second_order",
     [
         ([(6, 7)] * 4, 0, False, True),  # time-major, blocks of 3 systems + 1
-        pytest.param(
-            [(6, 1), (6, 1), (6, 1), (6, 7)], 0, False, False, marks=pytest.mark.slow
-        ),  # shared diagonals (also in test_blocked_sweeps_match_scipy)
+        # shared diagonals (also in test_blocked_sweeps_match_scipy)
+        ([(6, 1), (6, 1), (6, 1), (6, 7)], 0, False, False),
         ([(7, 6)] * 4, 1, True, False),  # systems on the leading axis: tiles
         ([(3, 6, 1), (1, 6, 2), (3, 6, 2), (3, 6, 2)], 1, False, False),
-        pytest.param(
-            [(3, 6, 1), (1, 6, 2), (3, 6, 2), (3, 6, 2)],
-            1,
-            False,
-            True,
-            marks=pytest.mark.slow,
-        ),  # second order on tiles with broadcast diagonals
+        # second order on tiles with broadcast diagonals
+        ([(3, 6, 1), (1, 6, 2), (3, 6, 2), (3, 6, 2)], 1, False, True),
     ],
 )
 def test_factored_derivatives_in_blocks(shapes, axis, complex_, second_order):
@@ -393,6 +407,10 @@ def test_factored_derivatives_in_blocks(shapes, axis, complex_, second_order):
             np.testing.assert_allclose(a, b, rtol=1e-9, atol=1e-11)
 
 
+# slow tier: test_values_match_scipy and test_grad_matches_dense_solve check every
+# backend's values and gradients against references; this adds `AutoScan` and an
+# unrolled Thomas
+@pytest.mark.slow
 def test_backends_agree_on_values_and_gradients():
     rng = np.random.default_rng(7)
     args = tuple(jnp.asarray(a) for a in dominant(rng, (4, 33, 5)))

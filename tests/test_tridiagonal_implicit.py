@@ -36,10 +36,24 @@ def whittaker(x, kappa):
     return out
 
 
+# slow tier: each length, each backend and each kind of coupling run fast once
+# (thomas-False-1, thomas-True-2, thomas-False-37, pcr-True-37); the other
+# combinations repeat them
+FAST_SYSTEMS = {
+    ("thomas", False, 1),
+    ("thomas", True, 2),
+    ("thomas", False, 37),
+    ("pcr", True, 37),
+}
+
+
 @pytest.mark.parametrize(
     "scan,input_dependent,T",
-    [("thomas", i, T) for i in (False, True) for T in (1, 2, 37)]
-    + [("pcr", i, 37) for i in (False, True)],
+    [
+        c if c in FAST_SYSTEMS else pytest.param(*c, marks=pytest.mark.slow)
+        for c in [("thomas", i, T) for i in (False, True) for T in (1, 2, 37)]
+        + [("pcr", i, 37) for i in (False, True)]
+    ],
 )
 def test_output_solves_its_system(scan, input_dependent, T, getkey):
     layer = eqx_seq.TridiagonalImplicit(
@@ -81,7 +95,15 @@ def test_single_step_is_identity_and_static_couplings(getkey):
     assert k.max() / k.min() > 10  # spread over the range
 
 
-@pytest.mark.parametrize("input_dependent", [False, True])
+@pytest.mark.parametrize(
+    "input_dependent",
+    [
+        # slow tier: the input-dependent couplings (fast) run the same solve with
+        # gradients through the gate as well
+        pytest.param(False, marks=pytest.mark.slow),
+        True,
+    ],
+)
 def test_gradients(input_dependent, getkey):
     layer = eqx_seq.TridiagonalImplicit(
         3, input_dependent=input_dependent, key=getkey()
