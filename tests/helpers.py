@@ -81,16 +81,18 @@ def recurrence_inputs(T: int, S: tuple, varying: bool):
     return a, b, h0, jr.normal(k[4], (T, *S))
 
 
-def slow_except(cases: list, fast: list) -> list:
+def slow_except(cases: list, fast: list, ids: list[str] | None = None) -> list:
     """`cases` for `pytest.mark.parametrize`, all but those in `fast` in the slow
     tier (`-m slow`); a tuple case gives one value per argument, as in
-    `parametrize`."""
+    `parametrize`. With `ids` (one per case), `fast` lists ids."""
+    ids = ids or [None] * len(cases)
     return [
         pytest.param(
             *(case if isinstance(case, tuple) else (case,)),
-            marks=[] if case in fast else [pytest.mark.slow],
+            id=id_,
+            marks=[] if (case if id_ is None else id_) in fast else [pytest.mark.slow],
         )
-        for case in cases
+        for case, id_ in zip(cases, ids, strict=True)
     ]
 
 

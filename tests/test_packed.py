@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import jax.random as jr
 import numpy as np
 import pytest
+from helpers import slow_except
 
 import eqx_seq
 
@@ -190,25 +191,20 @@ LAYERS = {
 # test_zero_decay_forgets_the_state[associative]). Slow tier: the other rows, the
 # same algorithms inside other layers and blocks.
 _BAD_SEGMENT_FAST = [
-    ("selective_scan", "sequential"),
-    ("RGLRU", "sequential"),
-    ("MambaBlock", "associative"),
-    ("ssd_scan", "associative"),
+    "selective_scan-sequential",
+    "RGLRU-sequential",
+    "MambaBlock-associative",
+    "ssd_scan-associative",
 ]
 
 
 @pytest.mark.parametrize(
     "name,scan",
-    [
-        pytest.param(
-            name,
-            scan,
-            id=f"{name}-{scan_id}",
-            marks=[] if (name, scan_id) in _BAD_SEGMENT_FAST else [pytest.mark.slow],
-        )
-        for name in LAYERS
-        for scan_id, scan in SCANS.items()
-    ],
+    slow_except(
+        [(name, scan) for name in LAYERS for scan in SCANS.values()],
+        _BAD_SEGMENT_FAST,
+        ids=[f"{name}-{scan_id}" for name in LAYERS for scan_id in SCANS],
+    ),
 )
 def test_a_bad_segment_stays_in_its_segment(name, scan):
     """A NaN and an inf in the first segment: the second segment's outputs, and
