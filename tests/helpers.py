@@ -81,10 +81,11 @@ def recurrence_inputs(T: int, S: tuple, varying: bool):
     return a, b, h0, jr.normal(k[4], (T, *S))
 
 
-def slow_except(cases: list, fast: list, ids: list[str] | None = None) -> list:
+def slow_except(cases, fast: list, ids: list[str] | None = None) -> list:
     """`cases` for `pytest.mark.parametrize`, all but those in `fast` in the slow
     tier (`-m slow`); a tuple case gives one value per argument, as in
     `parametrize`. With `ids` (one per case), `fast` lists ids."""
+    cases = list(cases)
     ids = ids or [None] * len(cases)
     return [
         pytest.param(
