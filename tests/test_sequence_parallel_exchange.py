@@ -7,13 +7,15 @@ rounds and a device has blocks both before and after it, and on three, a count t
 is not a power of two.
 """
 
+import itertools as it
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 import jax.random as jr
 import numpy as np
 import pytest
-from helpers import recurrence_inputs
+from helpers import recurrence_inputs, slow_except
 from jax.sharding import Mesh, PartitionSpec as P
 
 import eqx_seq
@@ -62,6 +64,14 @@ def _outputs_and_grads(fn, w, args, argnums=0):
 # some devices only) with a split one; `ppermute`'s two full rounds on four devices
 # give the values of one device in test_exchange_parallel_inner
 _DEVICE_IDS = {4: "four", 3: "three"}
+DECAYS = ["invariant, complex", "varying, real"]
+
+
+def _exchange_id(decay, reverse, exchange, devices):
+    return f"{decay}-{reverse}-{exchange}-{_DEVICE_IDS[devices]}"
+
+
+_EXCHANGE_CASES = list(it.product(DECAYS, [False, True], EXCHANGES, [4, 3]))
 _EXCHANGE_FAST = [
     ("invariant, complex", False, "all_gather", 4),
     ("varying, real", True, "ppermute", 3),
@@ -70,22 +80,11 @@ _EXCHANGE_FAST = [
 
 @pytest.mark.parametrize(
     "decay,reverse,exchange,devices",
-    [
-        pytest.param(
-            decay,
-            reverse,
-            exchange,
-            devices,
-            id=f"{decay}-{reverse}-{exchange}-{_DEVICE_IDS[devices]}",
-            marks=[]
-            if (decay, reverse, exchange, devices) in _EXCHANGE_FAST
-            else [pytest.mark.slow],
-        )
-        for decay in ["invariant, complex", "varying, real"]
-        for reverse in [False, True]
-        for exchange in EXCHANGES
-        for devices in [4, 3]
-    ],
+    slow_except(
+        _EXCHANGE_CASES,
+        [_exchange_id(*case) for case in _EXCHANGE_FAST],
+        ids=[_exchange_id(*case) for case in _EXCHANGE_CASES],
+    ),
 )
 def test_exchange(decay, reverse, exchange, devices):
     """Values and gradients w.r.t. `a`, `b` and `h0` equal one device's (within

@@ -10,6 +10,7 @@ neighbours on both sides) for the blocks' maps under resets and for the layers.
 """
 
 import functools as ft
+import itertools as it
 
 import equinox as eqx
 import jax
@@ -17,6 +18,7 @@ import jax.numpy as jnp
 import jax.random as jr
 import numpy as np
 import pytest
+from helpers import slow_except
 from jax.sharding import Mesh, PartitionSpec as P
 
 import eqx_seq
@@ -132,19 +134,10 @@ TIME_AXIS = ("u", "delta", "B", "C", "z")
 # other options act on each block's steps alone
 @pytest.mark.parametrize(
     "case,reset,inner",
-    [
-        pytest.param(
-            case,
-            reset,
-            inner,
-            marks=[]
-            if (case, reset, inner) == ("h0, D, z", True, "sequential")
-            else [pytest.mark.slow],
-        )
-        for case in SELECTIVE_CASES
-        for reset in [False, True]
-        for inner in ["sequential", "associative"]
-    ],
+    slow_except(
+        it.product(SELECTIVE_CASES, [False, True], ["sequential", "associative"]),
+        [("h0, D, z", True, "sequential")],
+    ),
 )
 def test_selective_scan(case, reset, inner):
     """Values, final state and gradients with respect to every array argument equal
@@ -306,15 +299,10 @@ LAYERS = {
 # runs
 @pytest.mark.parametrize(
     "name,reset",
-    [
-        pytest.param(
-            name,
-            reset,
-            marks=[] if reset and name != "mamba" else [pytest.mark.slow],
-        )
-        for name in LAYERS
-        for reset in [False, True]
-    ],
+    slow_except(
+        it.product(LAYERS, [False, True]),
+        [(name, True) for name in LAYERS if name != "mamba"],
+    ),
 )
 def test_layers(name, reset):
     """A layer on one sequence split over four devices (blocks of 6 steps, chunks of
