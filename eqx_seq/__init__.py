@@ -2,6 +2,10 @@
 
 import importlib.metadata
 
+from ._delta import (
+    delta_rule_scan as delta_rule_scan,
+    delta_rule_step as delta_rule_step,
+)
 from ._embedding import Embedding as Embedding
 from ._kalman import (
     discretize as discretize,

@@ -1,0 +1,4 @@
+from ._scan import (
+    delta_rule_scan as delta_rule_scan,
+    delta_rule_step as delta_rule_step,
+)

@@ -1,0 +1,97 @@
+"""The delta rule's chunk form: per head a matrix state `S` `(dk, dv)`,
+
+    S_t = alpha_t (I - beta_t k_t k_t^T) S_{t-1} + beta_t k_t v_t^T,  o_t = S_t^T q_t,
+
+computed chunk by chunk. Inside a chunk of `C` steps, with `b` the cumulative sum
+of the log-gates `g = log alpha` from the chunk's start and `Gamma[r, s] =
+exp(b_r - b_s)` for `s <= r` in one segment (else zero), the updates
+`u_t = beta_t (v_t - (alpha_t S_{t-1})^T k_t)` solve a unit lower-triangular
+system (the UT transform of the WY representation):
+
+    (I + A) u = beta V - beta e^b K S_in,   A = strict_lower(beta (K K^T * Gamma)),
+
+so `u = U - W S_in` with `[W | U] = (I + A)^{-1} [beta e^b K | beta V]`, and
+
+    O = e^b Q S_in + (Q K^T * Gamma) u,   S_out = e^{b_C} S_in + K~^T u,
+
+`K~ = e^{b_C - b} K`. A chunk is an affine map of its entering state with a dense
+`dk x dk` part: the pass between chunks carries `S` and applies it in factored
+form (`_carry`), never forming the map. A reset (a segment start) is a zero gate:
+its masks, never `g = -inf` (whose differences are NaN), keep segments apart:
+`Gamma` is zero across them, `e^b` after the chunk's first reset, `K~` outside its
+last segment and `e^{b_C}` in a chunk that holds one. The derivation is in
+`docs/devdocs/delta-rule.md`.
+
+Arrays are head-major inside this module, query and key heads split by group,
+`H = G * R`: `q`, `k` `(K, G, C, dk)`, `v` `(K, G, R, C, dv)`, `beta`, `g`
+`(K, G, R, C)`, `segment` `(K, C)`: the resets counted from each chunk's start.
+"""
+
+import jax
+import jax.lax as lax
+import jax.numpy as jnp
+from jaxtyping import Array
+
+
+def _masked_exp(keep: Array, x: Array) -> Array:
+    """`exp(x)` where `keep`, else zero: the rest is selected away before `exp` (a
+    positive gap there may overflow), so neither the value nor its derivative
+    sees it."""
+    return jnp.exp(jnp.where(keep, x, -jnp.inf))
+
+
+def chunk_pieces(q, k, v, beta, g, segment):
+    """What a chunk's affine map needs, all independent of the entering state:
+    `W` `(G, R, C, dk)`, `U` `(G, R, C, dv)`, `K~` `(G, R, C, dk)`, the decay
+    `e^{b_C}` `(G, R)` (zero if the chunk holds a reset), the read-out weights
+    `P = Q K^T * Gamma` `(G, R, C, C)` and the entering state's weights `e^b`
+    `(G, R, C)` (zero from the first reset on). One chunk; vmapped over them."""
+    C = q.shape[-2]
+    b = jnp.cumsum(g, axis=-1)
+    causal = jnp.arange(C)[:, None] >= jnp.arange(C)[None, :]
+    same = ((segment[:, None] == segment[None, :]) & causal)[None, None]
+    gamma = _masked_exp(same, b[..., :, None] - b[..., None, :])  # (G, R, C, C)
+    strict = same & ~jnp.eye(C, dtype=bool)[None, None]
+    kk = jnp.einsum("gsd,gtd->gst", k, k)[:, None]
+    A = jnp.where(strict, beta[..., :, None] * kk * gamma, 0)
+    entry = _masked_exp((segment == 0)[None, None], b)  # (G, R, C)
+    rhs = jnp.concatenate(
+        [
+            (beta * entry)[..., None] * k[:, None],
+            beta[..., None] * v,
+        ],
+        axis=-1,
+    )
+    eye = jnp.eye(C, dtype=A.dtype)[None, None]
+    WU = lax.linalg.triangular_solve(
+        eye + A, rhs, left_side=True, lower=True, unit_diagonal=True
+    )
+    dk = k.shape[-1]
+    W, U = WU[..., :dk], WU[..., dk:]
+    last = (segment == segment[-1])[None, None]
+    tail = _masked_exp(last, b[..., -1:] - b)  # (G, R, C)
+    K_tilde = tail[..., None] * k[:, None]
+    decay = _masked_exp(jnp.broadcast_to(segment[-1] == 0, b.shape[:-1]), b[..., -1])
+    P = jnp.einsum("gsd,gtd->gst", q, k)[:, None] * gamma
+    return W, U, K_tilde, decay, P, entry
+
+
+def _carry(S, piece):
+    """One chunk's map applied to its entering state `S` `(G, R, dk, dv)`, in
+    factored form: the updates `u = U - W S` and the leaving state."""
+    W, U, K_tilde, decay = piece
+    u = U - jnp.einsum("grcd,grde->grce", W, S)
+    S_out = decay[..., None, None] * S + jnp.einsum("grcd,grce->grde", K_tilde, u)
+    return S_out, (S, u)
+
+
+def chunked(q, k, v, beta, g, segment, S0):
+    """The outputs `(K, G, R, C, dv)` and the final state `(G, R, dk, dv)` from the
+    entering state `S0`. The pass between chunks keeps one state per chunk for the
+    backward pass (`jax.checkpoint` recomputes a chunk's updates), never one per
+    step."""
+    W, U, K_tilde, decay, P, entry = jax.vmap(chunk_pieces)(q, k, v, beta, g, segment)
+    final, (S_in, u) = lax.scan(jax.checkpoint(_carry), S0, (W, U, K_tilde, decay))
+    read = jnp.einsum("kgcd,kgrde->kgrce", q, S_in)
+    O = entry[..., None] * read + jnp.einsum("kgrst,kgrte->kgrse", P, u)
+    return O, final
