@@ -137,6 +137,18 @@ def allocator_line(info: dict) -> str:
     return "allocator: " + " ".join(f"{k}={v}" for k, v in sorted(env.items()))
 
 
+def hlo_instructions(text: str) -> int:
+    """The instructions of an optimised HLO module (`compiled.as_text()`): its lines
+    that assign a value, the module's header, comments and the root tuple left
+    out."""
+    return sum(
+        1
+        for line in text.splitlines()
+        if " = " in line
+        and not line.strip().startswith(("HloModule", "//", "ROOT %tuple"))
+    )
+
+
 # --- the results' markdown -----------------------------------------------------------
 DASH = "–"
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -88,6 +88,7 @@ from _timing import (  # noqa: E402
     allocator_line,
     DASH,
     div,
+    hlo_instructions,
     machine,
     measure_many,
     ms,
@@ -525,17 +526,6 @@ SIBLINGS = ("bench_nonlinear", "bench_ssd", "bench_tridiagonal")
 
 
 # --- one program, in its own process ------------------------------------------------
-def hlo_instructions(text: str) -> int:
-    """The instructions of an optimised HLO module, counted as `program_cost.py`
-    counts them."""
-    return sum(
-        1
-        for line in text.splitlines()
-        if " = " in line
-        and not line.strip().startswith(("HloModule", "//", "ROOT %tuple"))
-    )
-
-
 def one(name: str, quick: bool, repeats: int) -> dict:
     build, x64, devices, _ = PROGRAMS[name]
     default_devices = jax.config.jax_num_cpu_devices

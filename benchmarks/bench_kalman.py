@@ -8,10 +8,11 @@ float32, one sequence, constant model; state 4 / obs 2 and state 16 / obs 8; T i
   the steady-state filter once the covariance has settled), and dynamax's
   `lgssm_filter` (the anchor of the "x dynamax" column); "seq filter (exact)":
   ours with every step exact, for comparison;
-- "seq grad": `jax.grad` of `kf.log_likelihood` w.r.t. all parameters: here plain
-  autodiff through the steady-state filter (for models that do not settle, or
-  with missing data, Fisher's identity: filter + smoother + a scan-free
-  gradient); "x fwd" is divided by our own forward filter; dynamax's is autodiff
+- "seq grad": `jax.grad` of `kf.log_likelihood` w.r.t. all parameters, by
+  Fisher's identity: here from the steady-state smoother's sums over the steps
+  (for models that do not settle, or with missing data, from the exact filter
+  and smoother: a scan-free gradient); "x fwd" is divided by our own forward
+  filter; dynamax's is autodiff
   through its filter; "seq grad (plain AD)": ours by plain autodiff through
   `kf.filter(ys).log_likelihood`, for comparison;
 - "seq smoother": our RTS smoother (Bryson-Frazier form) and dynamax's

@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 import jax.random as jr
 import numpy as np
+from _timing import hlo_instructions
 
 import eqx_seq
 
@@ -68,12 +69,7 @@ def main():
     compiled = lowered.compile()
     t2 = time.perf_counter()
     text = compiled.as_text()
-    instructions = sum(
-        1
-        for line in text.splitlines()
-        if " = " in line
-        and not line.strip().startswith(("HloModule", "//", "ROOT %tuple"))
-    )
+    instructions = hlo_instructions(text)
     jax.block_until_ready(compiled(*inputs))
     times = []
     for _ in range(args.repeats):

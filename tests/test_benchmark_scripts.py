@@ -36,6 +36,8 @@ EXPECTED = {
         "`ssd_scan` against the minimal SSD",
         "one device against the sequence split over two CPU devices",
     ],
+    # the script checks ours against the plain scan before timing
+    "delta_rule": ["check T=256: |ours - plain lax.scan|"],
     # each program in its own process, the split one on two CPU devices
     "compile": [
         "compile ratio",

@@ -194,8 +194,9 @@ def delta_rule_scan(
     chunk and head (the WY representation's UT transform; a solve, not a series,
     so that $\beta$ up to 2 stays accurate); between chunks the state is carried
     by each chunk's map in factored form. The `(T, H, dk, dv)` states are never
-    formed: the gradient keeps one state per chunk and recomputes the rest, so its
-    memory is `O(T (G dk + H dv + H C) + (T / C) H dk dv)`. Differentiable in
+    formed: the gradient keeps one state per chunk (and each chunk's `C x C`
+    weights), never one per step, so its memory is
+    `O(T H (dk + dv + C) + (T / C) H dk dv)`. Differentiable in
     reverse and forward mode with respect to every array argument.
 
     A value that is not finite (NaN or inf, in any array) reaches exactly the

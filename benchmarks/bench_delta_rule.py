@@ -1,0 +1,213 @@
+"""The delta rule: `eqx_seq.delta_rule_scan` (chunked) against the recurrence written
+as a plain `lax.scan` of its step, differentiated by autodiff (the anchor).
+
+float32, one sequence, H heads of dk = dv channels, gates, beta in (0, 1), unit
+queries and keys, T in {1024, 4096} (`--quick`: T = 256, smaller heads). Per size,
+forward and gradient (with respect to q, k, v, beta and g, of the outputs' mean
+square) of both. The script first checks that both give the same outputs. Every
+program is lowered and compiled first (timed: "lower s", "compile s", and the
+optimised HLO's instructions, counted as `bench_compile.py` counts them), in one
+process, the anchor's programs first; then the compiled programs are timed
+interleaved (`_timing.measure_many`: medians of repeats after a warm-up). "peak
+MiB": temporaries + arguments + outputs of the compiled program (XLA's memory
+analysis). "speed-up" is the anchor's time over ours, "memory /" the anchor's
+peak over ours, "compile x" our lower + compile seconds over the anchor's.
+"""
+
+import argparse
+import functools as ft
+import time
+
+import jax
+import jax.numpy as jnp
+import jax.random as jr
+import numpy as np
+from _timing import (
+    div,
+    hlo_instructions,
+    machine,
+    measure_many,
+    ms,
+    results_path,
+    save,
+    span,
+    table,
+    times,
+    write_reports,
+)
+
+import eqx_seq
+
+
+def plain_delta_rule(q, k, v, beta, g):
+    """The recurrence as a `lax.scan` of its step, as the field's reference loops
+    write it (queries and keys unit, `(T, H, d)`)."""
+    scale = q.shape[-1] ** -0.5
+
+    def step(S, row):
+        q_t, k_t, v_t, b_t, g_t = row
+        S = jnp.exp(g_t)[:, None, None] * S
+        u = b_t[:, None] * (v_t - jnp.einsum("hde,hd->he", S, k_t))
+        S = S + k_t[:, :, None] * u[:, None, :]
+        return S, scale * jnp.einsum("hde,hd->he", S, q_t)
+
+    H, dk, dv = q.shape[1], q.shape[2], v.shape[2]
+    return jax.lax.scan(step, jnp.zeros((H, dk, dv), q.dtype), (q, k, v, beta, g))[1]
+
+
+def ours(q, k, v, beta, g, chunk):
+    return eqx_seq.delta_rule_scan(q, k, v, beta, g=g, chunk_size=chunk)
+
+
+def inputs(T, H, d, seed=0):
+    kq, kk, kv, kb, kg = jr.split(jr.key(seed), 5)
+    unit = lambda x: x / jnp.linalg.norm(x, axis=-1, keepdims=True)
+    return (
+        unit(jr.normal(kq, (T, H, d))),
+        unit(jr.normal(kk, (T, H, d))),
+        jr.normal(kv, (T, H, d)),
+        jax.nn.sigmoid(jr.normal(kb, (T, H))),
+        -jax.nn.softplus(jr.normal(kg, (T, H))) * 0.1,
+    )
+
+
+def gradient(fn):
+    loss = lambda *x: jnp.mean(fn(*x) ** 2)
+    return jax.grad(loss, argnums=range(5))
+
+
+def compile_one(fn, args):
+    jitted = jax.jit(fn)
+    t0 = time.perf_counter()
+    lowered = jitted.lower(*args)
+    t1 = time.perf_counter()
+    compiled = lowered.compile()
+    t2 = time.perf_counter()
+    m = compiled.memory_analysis()
+    peak = m.temp_size_in_bytes + m.argument_size_in_bytes + m.output_size_in_bytes
+    return compiled, {
+        "lower_s": t1 - t0,
+        "compile_s": t2 - t1,
+        "hlo": hlo_instructions(compiled.as_text()),
+        "peak_mib": peak / 2**20,
+    }
+
+
+def run(args) -> dict:
+    quick = args.quick
+    H, d = (2, 16) if quick else (4, 64)
+    lengths = [256] if quick else [1024, 4096]
+    rows = []
+    for T in lengths:
+        x = inputs(T, H, d)
+        mine = ft.partial(ours, chunk=args.chunk)
+        programs, cost = {}, {}
+        for name, fn in [
+            ("plain fwd", plain_delta_rule),
+            ("plain grad", gradient(plain_delta_rule)),
+            ("ours fwd", mine),
+            ("ours grad", gradient(mine)),
+        ]:
+            compiled, cost[name] = compile_one(fn, x)
+            programs[name] = (compiled, x)
+        outputs = [programs[n][0](*x) for n in ("ours fwd", "plain fwd")]
+        check = float(jnp.max(jnp.abs(outputs[0] - outputs[1])))
+        print(f"check T={T}: |ours - plain lax.scan| = {check:.2e}")
+        if not check < 1e-4:
+            raise SystemExit(f"ours and the plain scan differ by {check} at T={T}")
+        timed = measure_many(programs, repeats=args.repeats, min_time=0.05)
+        rows.append(
+            {
+                "T": T, "H": H, "dk": d, "dv": d, "chunk": args.chunk,
+                "check": check,
+                "programs": {n: {**cost[n], **timed[n]} for n in programs},
+            }
+        )  # fmt: skip
+    return {"machine": machine(), "quick": quick, "rows": rows}
+
+
+def headline(payload) -> str:
+    if payload.get("quick"):
+        raise KeyError("quick")
+    row = max(payload["rows"], key=lambda r: r["T"])
+    p = row["programs"]
+    return (
+        f"at T = {row['T']} (H = {row['H']}, dk = dv = {row['dk']}), forward + "
+        f"gradient {times(div(p['plain grad']['median_ms'], p['ours grad']['median_ms']))} "
+        f"faster than autodiff through a `lax.scan` of the step, its peak memory "
+        f"{times(div(p['plain grad']['peak_mib'], p['ours grad']['peak_mib']))} lower, "
+        "compile (lower + compile) "
+        + span(
+            [
+                div(
+                    p[f"ours {w}"]["lower_s"] + p[f"ours {w}"]["compile_s"],
+                    p[f"plain {w}"]["lower_s"] + p[f"plain {w}"]["compile_s"],
+                )
+                for w in ("fwd", "grad")
+            ]
+        )
+        + " the plain scan's"
+    )
+
+
+def tables(payload) -> list[str]:
+    out = ["float32, one sequence; anchor: the recurrence as a plain `lax.scan`.", ""]
+    lines = []
+    for row in payload["rows"]:
+        p = row["programs"]
+        for w in ("fwd", "grad"):
+            o, a = p[f"ours {w}"], p[f"plain {w}"]
+            lines.append(
+                [
+                    f"{row['T']}, H {row['H']}, d {row['dk']}, C {row['chunk']}",
+                    w,
+                    ms(o["median_ms"]),
+                    ms(a["median_ms"]),
+                    times(div(a["median_ms"], o["median_ms"])),
+                    f"{o['peak_mib']:.1f}",
+                    f"{a['peak_mib']:.1f}",
+                    times(div(a["peak_mib"], o["peak_mib"])),
+                    f"{o['lower_s']:.2f} + {o['compile_s']:.2f}",
+                    f"{a['lower_s']:.2f} + {a['compile_s']:.2f}",
+                    times(
+                        div(
+                            o["lower_s"] + o["compile_s"], a["lower_s"] + a["compile_s"]
+                        )
+                    ),
+                    f"{o['hlo']} / {a['hlo']}",
+                ]
+            )
+    return out + table(
+        "T, heads, d, chunk | program | ours ms | plain ms | speed-up | ours peak MiB "
+        "| plain peak MiB | memory / | ours lower + compile s | plain lower + compile s "
+        "| compile x | HLO ours / plain",
+        lines,
+        left=2,
+    )
+
+
+REPORT = (headline, tables)
+
+
+def main():
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--quick", action="store_true", help="T=256, small heads")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--chunk", type=int, default=64)
+    parser.add_argument("--json", help="default: results/<machine>/delta_rule.json")
+    parser.add_argument(
+        "--report", nargs="+", metavar="JSON", help="write the .md of stored results"
+    )
+    args = parser.parse_args()
+    if args.report:
+        write_reports({"delta_rule": REPORT}, args.report)
+        return
+    np.set_printoptions(precision=3)
+    payload = run(args)
+    save(args.json or results_path("delta_rule"), payload, REPORT)
+
+
+if __name__ == "__main__":
+    main()
