@@ -186,7 +186,7 @@ def tables(payload) -> list[str]:
     )
 
 
-REPORT = (headline, tables)
+REPORTS = {"delta_rule": (headline, tables)}
 
 
 def main():
@@ -202,11 +202,11 @@ def main():
     )
     args = parser.parse_args()
     if args.report:
-        write_reports({"delta_rule": REPORT}, args.report)
+        write_reports(REPORTS, args.report)
         return
     np.set_printoptions(precision=3)
     payload = run(args)
-    save(args.json or results_path("delta_rule"), payload, REPORT)
+    save(args.json or results_path("delta_rule"), payload, REPORTS["delta_rule"])
 
 
 if __name__ == "__main__":

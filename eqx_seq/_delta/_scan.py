@@ -1,6 +1,8 @@
 """`delta_rule_scan` and `delta_rule_step`: the gated delta rule on one sequence,
 time first, chunked (`_chunk.py`) or one step at a time."""
 
+import functools as ft
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -13,6 +15,7 @@ from .._ssm._packing import (
     count_last,
     finite,
     finite_cotangent,
+    into_chunks,
     keeps,
     link,
     met_within,
@@ -116,16 +119,9 @@ def _run(chunk, q, k, v, beta, g, h0, reset, scale, normalize):
         q, k = _unit(q), _unit(k)
     q = q * scale
     # padded steps change nothing: no key, no write, a gate of one
-    pad = -T % chunk
-    K = (T + pad) // chunk
+    K = -(-T // chunk)
 
-    def chunks(a, *shape):
-        """`a` padded, cut into chunks and made head-major: `(K, *shape, C, ...)`
-        from `(T, *shape, ...)`, `shape` the axes before the chunk's steps."""
-        a = jnp.pad(a, [(0, pad)] + [(0, 0)] * (a.ndim - 1))
-        a = a.reshape(K, chunk, *a.shape[1:])
-        return jnp.moveaxis(a, 1, 1 + len(shape))
-
+    chunks = ft.partial(into_chunks, chunk)
     resets = None if reset is None else chunks(reset.astype(jnp.int32))
     segment = jnp.zeros((K, chunk), jnp.int32) if resets is None else resets
     segment = jnp.cumsum(segment, axis=1)

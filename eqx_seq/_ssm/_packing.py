@@ -29,6 +29,15 @@ from .._misc import vary_like
 from .._recurrence import linear_recurrence
 
 
+def into_chunks(chunk: int, v: Array, *shape: int) -> Array:
+    """`v` `(T, *shape, ...)` padded with zeros to whole chunks of `chunk` steps, cut
+    into them and made head-major: `(K, *shape, chunk, ...)`, `shape` the axes
+    before the steps."""
+    v = jnp.pad(v, [(0, -v.shape[0] % chunk)] + [(0, 0)] * (v.ndim - 1))
+    v = v.reshape(-1, chunk, *v.shape[1:])
+    return jnp.moveaxis(v, 1, 1 + len(shape))
+
+
 @jax.checkpoint
 def finite(v: Array) -> tuple[Array, Array]:
     """`(v with its non-finite entries zero, where they were)`."""

@@ -13,6 +13,7 @@ carry the axes `(G, R)` where the reference has `H`, so that a group's `B` and
 `C` meet its heads by broadcasting, never by copies.
 """
 
+import functools as ft
 import math
 from collections.abc import Sequence
 
@@ -28,6 +29,7 @@ from ._packing import (
     count_last,
     finite,
     finite_cotangent,
+    into_chunks,
     keeps,
     link,
     met_within,
@@ -147,16 +149,9 @@ def _run(
         bad_y = bad_y | bad_z
     # padded steps have `dt = 0`: a decay of one and no input, so the last state is
     # that of the last real step (also at the end of a device's block, mid-sequence)
-    pad = -T % chunk
-    K = (T + pad) // chunk
+    K = -(-T // chunk)
 
-    def chunks(v, *shape):
-        """`v` padded, cut into chunks and made head-major: `(K, *shape, Q, ...)`
-        from `(T, *shape, ...)`, `shape` the axes before the chunk's steps."""
-        v = jnp.pad(v, [(0, pad)] + [(0, 0)] * (v.ndim - 1))
-        v = v.reshape(K, chunk, *v.shape[1:])
-        return jnp.moveaxis(v, 1, 1 + len(shape))
-
+    chunks = ft.partial(into_chunks, chunk)
     resets = None if reset is None else chunks(reset.astype(jnp.int32))
     # the non-finite inputs met since the segment's start: by each output (its
     # `x`, `dt` and `B`), and by the last segment of each chunk (apart, for the
