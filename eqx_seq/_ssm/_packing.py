@@ -13,7 +13,7 @@ and in the backward. So the chunks only ever meet finite values:
   layers after it, e.g. a convolution's backward over a bad step). What a
   non-finite one means reaches the derivatives through a link instead: zero in
   value, a sum of the inputs over the steps each output depends on, computed by
-  selection (`segment_sums`), whose transpose gives those inputs a NaN derivative,
+  selection (`segment_sums`, a running sum), whose transpose gives those inputs a NaN derivative,
   as autodiff through the recurrent form would, and nothing else.
 
 The derivation is in `docs/devdocs/ssd.md`.
@@ -85,13 +85,22 @@ def count_last(bad: Array, starts: Array | None) -> Array:
     return jnp.einsum("kt,ktm->km", same, jax.lax.stop_gradient(bad))
 
 
-@jax.checkpoint  # the backward pass recomputes the `(Q, Q)` masks
 def segment_sums(v: Array, starts: Array | None) -> Array:
-    """The sums of `v` `(K, Q, M)` over each step's segment in its chunk, up to it,
-    by selection (the transpose of a masked product would spread a NaN)."""
-    same = segment_mask(starts, v.shape[1])[:, None]
-    v = jnp.moveaxis(v, 2, 1)[:, :, None, :]  # (K, M, 1, Q)
-    return jnp.moveaxis(jnp.sum(jnp.where(same, v, 0), axis=-1), 1, 2)
+    """The sums of `v` `(K, Q, M)` over each step's segment in its chunk, up to it:
+    a running sum along the steps that restarts at a reset by selection (the
+    transpose of a masked product would spread a NaN), one `(K, M)` slice at a
+    time, so that neither it nor its transpose forms a `(Q, Q)` weight per entry
+    of `v`."""
+    restart = jnp.zeros(v.shape[:2], bool) if starts is None else starts > 0
+
+    def step(total, row):
+        v_t, restart_t = row
+        total = jnp.where(restart_t[:, None], v_t, total + v_t)
+        return total, total
+
+    rows = (jnp.moveaxis(v, 1, 0), jnp.moveaxis(restart, 1, 0))
+    _, sums = jax.lax.scan(step, jnp.zeros_like(v[:, 0]), rows)
+    return jnp.moveaxis(sums, 0, 1)
 
 
 def keeps(starts: Array | None, K: int, dtype) -> Array:
@@ -136,7 +145,14 @@ def _link_jvp(scan, primals, tangents):
     sums = segment_sums(d_step, starts)
     keep = jnp.broadcast_to(keeps(starts, K, d_step.dtype)[:, None], (K, M))
     d_h0 = vary_like(d_h0, d_step)
-    total = linear_recurrence(keep, sums[:, -1], d_h0, scan=scan)
+    # the recurrence's tangent, not the recurrence of the tangents: this rule is
+    # transposed, and the tangent has its transpose written out (the reverse
+    # recurrence on the backend), where transposing the backend's own recurrence
+    # would transpose its exchange, which need not be linear in the states (the
+    # `ppermute` exchange sends a block's decays and state as one array)
+    recurrence = lambda b, h0: linear_recurrence(keep, b, h0, scan=scan)
+    zeros = (jnp.zeros_like(sums[:, -1]), jnp.zeros_like(d_h0))
+    total = jax.jvp(recurrence, zeros, (sums[:, -1], d_h0))[1]
     entering = jnp.where(
         reads(starts, K, Q)[..., None], scan.shift(total, d_h0)[:, None], 0
     )
