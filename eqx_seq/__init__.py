@@ -5,6 +5,9 @@ import importlib.metadata
 from ._delta import (
     delta_rule_scan as delta_rule_scan,
     delta_rule_step as delta_rule_step,
+    GatedDeltaNet as GatedDeltaNet,
+    GatedDeltaNetBlock as GatedDeltaNetBlock,
+    GatedDeltaNetState as GatedDeltaNetState,
 )
 from ._embedding import Embedding as Embedding
 from ._kalman import (

@@ -168,6 +168,42 @@ def check_state(h0, shape: tuple[int, ...], name: str, what: str = "h0") -> Arra
     return h0
 
 
+def check_state_parts(
+    state, shapes: tuple[tuple[int, ...], ...], name: str, parts: tuple[str, ...]
+) -> tuple[Array, ...]:
+    """`state` as a tuple of arrays if it is a tuple (or list) of real floating
+    arrays of `shapes`, the parts named `parts` (the state of a layer with a
+    convolution and a recurrence); a `ValueError` naming `name` otherwise."""
+    shown = " and ".join(map(str, shapes))
+    expected = (
+        f"a {'pair' if len(shapes) == 2 else 'tuple'} `({', '.join(parts)})` of real "
+        f"floating arrays of shapes {shown}, as `init_state()` returns"
+    )
+    if not isinstance(state, (tuple, list)) or len(state) != len(shapes):
+        given = (
+            f"a {type(state).__name__} of length {len(state)}"
+            if isinstance(state, (tuple, list))
+            else type(state).__name__
+        )
+        raise ValueError(f"`{name}`: `state` must be {expected}, got {given}.")
+    checked = []
+    for i, (part, shape) in enumerate(zip(state, shapes)):
+        want = (
+            f"`{name}`: `state[{i}]` ({parts[i]}) must be a real floating array of "
+            f"shape {shape}, as in `init_state()`, got"
+        )
+        try:
+            part = jnp.asarray(part)
+        except (TypeError, ValueError):  # None, a string, an object
+            raise ValueError(f"{want} {type(part).__name__}.") from None
+        # integers and bools would be cast silently into a state no step could
+        # have produced
+        if part.shape != shape or not jnp.issubdtype(part.dtype, jnp.floating):
+            raise ValueError(f"{want} {part.dtype} of shape {part.shape}.")
+        checked.append(part)
+    return tuple(checked)
+
+
 def zeros_like_inputs(shape: tuple[int, ...], dtype, *inputs: Array) -> Array:
     """Zeros of `shape` and `dtype` that vary over every mesh axis that one of
     `inputs` varies over, under `jax.shard_map`.

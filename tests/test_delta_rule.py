@@ -1,10 +1,15 @@
 """`delta_rule_scan` and `delta_rule_step` (the gated delta rule, chunked) against
 the recurrent form: a float64 NumPy loop for the values, the same loop in
 `jax.numpy` for the derivatives (autodiff through the steps), and finite
-differences."""
+differences; the `GatedDeltaNet` layer against its equations in NumPy (the
+projections, the convolution, the NumPy loop, the gated norm), its forms, its
+block and bad input. Packing through the layer and its block is in
+`test_packed.py` with the other layers'."""
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
+import jax.random as jr
 import numpy as np
 import pytest
 from helpers import directional_derivative, directional_fd
@@ -290,3 +295,167 @@ def test_bad_input_and_half_precision():
     np.testing.assert_allclose(
         out.astype(jnp.float32), ref.astype(jnp.bfloat16).astype(jnp.float32)
     )
+
+
+# ------------------------------------------------------------------ the layer
+
+
+def silu(x):
+    return x / (1 + np.exp(-x))
+
+
+def layer_reference(layer: eqx_seq.GatedDeltaNet, x, reset=None):
+    """The Gated DeltaNet layer's equations in float64 NumPy, from its parameters:
+    each segment of `reset` on its own (a fresh convolution and state)."""
+    if reset is not None:
+        starts = [*np.flatnonzero(reset), len(x)]
+        starts = starts if starts[0] == 0 else [0, *starts]
+        return np.concatenate(
+            [layer_reference(layer, x[a:b]) for a, b in zip(starts, starts[1:])]
+        )
+    w = {
+        name: np.asarray(getattr(layer, name), np.float64)
+        for name in ("in_proj", "A_log", "dt_bias", "norm_weight", "out_proj")
+    }
+    conv_w = np.asarray(layer.conv.weight, np.float64)
+    x = np.asarray(x, np.float64)
+    T, K = len(x), layer.conv.kernel_size
+    G, Hv, dk, dv = layer.num_heads, layer.num_v_heads, layer.head_dim, layer.value_dim
+    proj = x @ w["in_proj"].T
+    C = 2 * G * dk + Hv * dv
+    qkv, z = proj[:, :C], proj[:, C : C + Hv * dv]
+    b, a = proj[:, C + Hv * dv : C + Hv * dv + Hv], proj[:, C + Hv * dv + Hv :]
+    padded = np.concatenate([np.zeros((K - 1, C)), qkv])
+    qkv = silu(np.stack([np.sum(conv_w * padded[t : t + K], 0) for t in range(T)]))
+    q = qkv[:, : G * dk].reshape(T, G, dk)
+    k = qkv[:, G * dk : 2 * G * dk].reshape(T, G, dk)
+    v = qkv[:, 2 * G * dk :].reshape(T, Hv, dv)
+    beta = (2 if layer.negative_eigenvalues else 1) / (1 + np.exp(-b))
+    g = -np.exp(w["A_log"]) * np.log1p(np.exp(a + w["dt_bias"]))
+    o, _ = numpy_loop(q, k, v, beta, g, unit=True)
+    o = o / np.sqrt(np.mean(o**2, axis=-1, keepdims=True) + layer.norm_eps)
+    o = o * w["norm_weight"] * silu(z.reshape(T, Hv, dv))
+    return o.reshape(T, Hv * dv) @ w["out_proj"].T
+
+
+def _layer(key, **kw):
+    kw = dict(num_heads=2, head_dim=3, num_v_heads=4, conv_size=3, chunk_size=4) | kw
+    return eqx_seq.GatedDeltaNet(6, dtype=jnp.float64, key=key, **kw)
+
+
+def test_layer_matches_numpy_and_every_form_agrees():
+    """`GatedDeltaNet` (grouped value heads, chunks that do not divide T) against
+    its equations in NumPy, with and without resets, with `beta` in (0, 1) and in
+    (0, 2); step mode from `init_state()` and streaming in two parts through
+    `final_state` equal the call; `GatedDeltaNetBlock` is `x + layer(norm(x))`
+    and steps as it calls. One compiled program per layer."""
+    layer = _layer(jr.key(0))
+    negative = _layer(jr.key(0), negative_eigenvalues=True)  # the same parameters
+    block = eqx_seq.GatedDeltaNetBlock(layer, norm="layer")
+    T = 15
+    x = jr.normal(jr.key(1), (T, 6), jnp.float64)
+    reset = jnp.zeros(T, bool).at[jnp.array([6, 7, 12])].set(True)
+
+    @eqx.filter_jit
+    def forms(layer, negative, block, x, reset):
+        def stepped(module):
+            def step(state, row):
+                return module.step(state, row[0], reset=row[1])
+
+            return jax.lax.scan(step, module.init_state(), (x, reset))
+
+        state = layer.final_state(x[:9], reset=reset[:9])
+        final, steps = stepped(layer)
+        return dict(
+            y=layer(x), y_reset=layer(x, reset=reset),
+            y_negative=negative(x, reset=reset),
+            streamed=layer(x[9:], reset=reset[9:], h0=state), stepped=steps,
+            final=final, whole=layer.final_state(x, reset=reset),
+            block=block(x, reset=reset),
+            block_ref=x + layer(jax.vmap(block.norm)(x), reset=reset),
+            block_stepped=stepped(block)[1],
+        )  # fmt: skip
+
+    out = forms(layer, negative, block, x, reset)
+    y_negative = out["y_negative"]
+    tol = dict(rtol=1e-9, atol=1e-11)
+    np.testing.assert_allclose(out["y"], layer_reference(layer, x), **tol)
+    np.testing.assert_allclose(out["y_reset"], layer_reference(layer, x, reset), **tol)
+    np.testing.assert_allclose(y_negative, layer_reference(negative, x, reset), **tol)
+    assert not np.allclose(y_negative, out["y_reset"])
+    np.testing.assert_allclose(out["streamed"], out["y_reset"][9:], **tol)
+    np.testing.assert_allclose(out["stepped"], out["y_reset"], **tol)
+    for a, b in zip(out["final"], out["whole"], strict=True):
+        np.testing.assert_allclose(a, b, **tol)
+    np.testing.assert_allclose(out["block"], out["block_ref"], **tol)
+    np.testing.assert_allclose(out["block_stepped"], out["block"], **tol)
+
+
+def test_layer_gradients_and_initialisation():
+    """The layer's gradient with respect to its input and every parameter against
+    finite differences (along a random direction); the initialisation's ranges
+    and the parameters labelled as the recurrence's."""
+    layer = _layer(jr.key(2), num_v_heads=2, A_init_range=(2.0, 4.0))
+    x = jr.normal(jr.key(3), (7, 6), jnp.float64)
+    params, static = eqx.partition(layer, eqx.is_inexact_array)
+    loss = jax.jit(lambda p, x: jnp.sum(jnp.sin(eqx.combine(p, static)(x))))
+    args = (params, x)
+    leaves, tree = jax.tree.flatten(args)
+    keys = jr.split(jr.key(4), len(leaves))
+    direction = jax.tree.unflatten(
+        tree, [jr.normal(k, a.shape, a.dtype) for k, a in zip(keys, leaves)]
+    )
+    grad = jax.jit(jax.grad(loss, (0, 1)))(*args)
+    fd = directional_fd(lambda a: loss(*a), args, direction)
+    np.testing.assert_allclose(directional_derivative(grad, direction), fd, rtol=1e-6)
+    A = np.exp(layer.A_log)
+    assert np.all((A >= 2 * (1 - 1e-9)) & (A <= 4 * (1 + 1e-9)))
+    dt = jax.nn.softplus(layer.dt_bias)
+    assert np.all((dt >= 1e-3 * (1 - 1e-9)) & (dt <= 1e-1 * (1 + 1e-9)))
+    assert layer.conv.bias is None and layer.value_dim == 6
+    assert layer.in_proj.shape == (2 * 2 * 3 + 2 * 6 + 2 * 6 + 2 * 2, 6)
+    labels = eqx_seq.ssm_param_labels(eqx_seq.GatedDeltaNetBlock(layer))
+    assert (labels.layer.A_log, labels.layer.dt_bias) == ("ssm", "ssm")
+    assert labels.layer.in_proj == "regular"
+
+
+@pytest.mark.usefixtures("unchecked_annotations")
+def test_layer_bad_input():
+    key = jr.key(0)
+    with pytest.raises(ValueError, match="`num_v_heads` must be a multiple of"):
+        eqx_seq.GatedDeltaNet(6, num_heads=2, num_v_heads=3, key=key)
+    with pytest.raises(ValueError, match="`head_dim` must be a positive int"):
+        eqx_seq.GatedDeltaNet(6, head_dim=0, key=key)
+    with pytest.raises(ValueError, match="low <= high"):
+        eqx_seq.GatedDeltaNet(6, A_init_range=(2.0, 1.0), key=key)
+    with pytest.raises(ValueError, match="Need dt_min < dt_max"):
+        eqx_seq.GatedDeltaNet(6, dt_min=0.1, dt_max=0.01, key=key)
+    with pytest.raises(ValueError, match="float32 or float64"):
+        eqx_seq.GatedDeltaNet(6, dtype=jnp.float16, key=key)
+    with pytest.raises(ValueError, match="`negative_eigenvalues` must be a bool"):
+        eqx_seq.GatedDeltaNet(6, negative_eigenvalues=1, key=key)
+    with pytest.raises(ValueError, match="`scan` must be an `eqx_seq.AbstractScan`"):
+        eqx_seq.GatedDeltaNet(6, scan="sequential", key=key)
+    with pytest.raises(ValueError, match="`layer` must be an `eqx_seq.GatedDelta"):
+        eqx_seq.GatedDeltaNetBlock(eqx_seq.Mamba2(8, head_dim=4, key=key))
+    layer = _layer(key)
+    block = eqx_seq.GatedDeltaNetBlock(layer)
+    with pytest.raises(ValueError, match="use `jax.vmap` for a batch"):
+        layer(jnp.ones((2, 5, 6)))
+    with pytest.raises(ValueError, match=r"shape \(T, H\) = \(T, 6\)"):
+        block(jnp.ones((5, 4)))
+    with pytest.raises(ValueError, match="`reset` marks segment starts"):
+        layer(jnp.ones((5, 6)), reset=jnp.zeros(4, bool))
+    with pytest.raises(ValueError, match=r"`GatedDeltaNet`: `state` must be a pair"):
+        layer(jnp.ones((5, 6)), h0=jnp.zeros(3))
+    conv, state = layer.init_state()
+    with pytest.raises(ValueError, match=r"`state\[1\]` \(state\) must be a real"):
+        layer.step((conv, state[:1]), jnp.ones(6))
+    with pytest.raises(ValueError, match=r"`state\[0\]` \(conv_state\) must be a"):
+        block.step((conv.astype(jnp.int32), state), jnp.ones(6))
+    with pytest.raises(ValueError, match=r"takes one real input of shape \(6,\)"):
+        layer.step(layer.init_state(), jnp.ones(5))
+    with pytest.raises(ValueError, match=r"`GatedDeltaNet.step` needs a real input"):
+        layer.step(layer.init_state(), jnp.ones(6, jnp.complex64))
+    with pytest.raises(ValueError, match="must be a bool scalar"):
+        layer.step(layer.init_state(), jnp.ones(6), reset=1)

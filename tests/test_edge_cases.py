@@ -293,6 +293,7 @@ def test_integer_input_is_cast_as_the_real_annotations_promise():
     s5 = eqx_seq.S5(H, 4, dtype=f32, key=next(k))
     mamba = eqx_seq.Mamba(H, state_size=2, dtype=f32, key=next(k))
     mamba2 = eqx_seq.Mamba2(H, state_size=2, head_dim=4, dtype=f32, key=next(k))
+    gdn = eqx_seq.GatedDeltaNet(H, num_heads=1, head_dim=2, dtype=f32, key=next(k))
     recurrent = [
         s5,
         eqx_seq.LRU(H, 4, dtype=f32, key=next(k)),
@@ -303,6 +304,8 @@ def test_integer_input_is_cast_as_the_real_annotations_promise():
         eqx_seq.MambaBlock(mamba),
         mamba2,
         eqx_seq.Mamba2Block(mamba2),
+        gdn,
+        eqx_seq.GatedDeltaNetBlock(gdn),
     ]
     others = [
         eqx_seq.TridiagonalImplicit(H, dtype=f32, key=next(k)),

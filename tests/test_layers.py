@@ -12,6 +12,10 @@ def s5(key):
     return eqx_seq.S5(3, 4, key=key)
 
 
+def gdn(key):
+    return eqx_seq.GatedDeltaNet(3, num_heads=1, head_dim=2, key=key)
+
+
 # name -> (build from a key, an input for `__call__`)
 LAYERS = {
     "S5": (s5, jnp.ones((6, 3))),
@@ -24,6 +28,11 @@ LAYERS = {
     ),
     "RGLRU": (lambda key: eqx_seq.RGLRU(4, num_heads=2, key=key), jnp.ones((6, 4))),
     "HawkBlock": (lambda key: eqx_seq.HawkBlock(3, key=key), jnp.ones((6, 3))),
+    "GatedDeltaNet": (lambda key: gdn(key), jnp.ones((6, 3))),
+    "GatedDeltaNetBlock": (
+        lambda key: eqx_seq.GatedDeltaNetBlock(gdn(key)),
+        jnp.ones((6, 3)),
+    ),
     "Embedding": (lambda key: eqx_seq.Embedding(5, 3, key=key), jnp.arange(4)),
     "TridiagonalImplicit": (
         lambda key: eqx_seq.TridiagonalImplicit(3, input_dependent=True, key=key),

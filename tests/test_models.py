@@ -31,8 +31,14 @@ def lm(key, scan=eqx_seq.AutoScan(), **kw):
     return eqx_seq.LanguageModel(11, scan=scan, key=key, **small(kw))
 
 
-MIXERS = ["s5", "lru", "rglru", "mamba", "mamba2"]
-RECURRENT = (eqx_seq.AbstractDiagonalSSM, eqx_seq.RGLRU, eqx_seq.Mamba, eqx_seq.Mamba2)
+MIXERS = ["s5", "lru", "rglru", "mamba", "mamba2", "gated_deltanet"]
+RECURRENT = (
+    eqx_seq.AbstractDiagonalSSM,
+    eqx_seq.RGLRU,
+    eqx_seq.Mamba,
+    eqx_seq.Mamba2,
+    eqx_seq.GatedDeltaNet,
+)
 
 
 def every_layer_scan(model):
@@ -168,8 +174,9 @@ def test_training_step_reduces_the_loss(kind, getkey):
 
 
 # slow tier: the other mixers; each layer's step mode equals its call in its own
-# file, and the model's `step` and `generate` over them are the same code
-@pytest.mark.parametrize("mixer", slow_except(MIXERS, ["mamba2"]))
+# file, and the model's `step` and `generate` over them are the same code (Gated
+# DeltaNet kept fast: its blocks generate through `delta_rule_step`, not a scan)
+@pytest.mark.parametrize("mixer", slow_except(MIXERS, ["mamba2", "gated_deltanet"]))
 def test_language_model_step_mode_equals_parallel(mixer, getkey):
     model = lm(getkey(), mixer=mixer)
     ids = jr.randint(getkey(), (12,), 0, 11)

@@ -167,6 +167,13 @@ def _mamba2(key, scan):
     )
 
 
+def _gdn(key, scan):
+    return eqx_seq.GatedDeltaNet(
+        3, num_heads=1, head_dim=2, num_v_heads=2, conv_size=3, chunk_size=4,
+        scan=scan, key=key,
+    )  # fmt: skip
+
+
 LAYERS = {
     "selective_scan": _selective,
     "RGLRU": _module(lambda k, s: eqx_seq.RGLRU(4, num_heads=2, scan=s, key=k), 4),
@@ -181,6 +188,10 @@ LAYERS = {
     "ssd_scan": _ssd,
     "Mamba2": _module(_mamba2, 3),
     "Mamba2Block": _module(lambda k, s: eqx_seq.Mamba2Block(_mamba2(k, s)), 3),
+    "GatedDeltaNet": _module(_gdn, 3),
+    "GatedDeltaNetBlock": _module(
+        lambda k, s: eqx_seq.GatedDeltaNetBlock(_gdn(k, s)), 3
+    ),
 }
 
 
@@ -188,13 +199,15 @@ LAYERS = {
 # (sequential) and chunks (associative, in MambaBlock), the SSD's chunks
 # (associative; its sequential form is test_stacked_blocks_keep_documents_apart
 # [Mamba2Block]), the recurrence's sequential form (RGLRU; the associative one is
-# test_zero_decay_forgets_the_state[associative]). Slow tier: the other rows, the
-# same algorithms inside other layers and blocks.
+# test_zero_decay_forgets_the_state[associative]), the delta rule's chunks and
+# short convolution (GatedDeltaNetBlock). Slow tier: the other rows, the same
+# algorithms inside other layers and blocks.
 _BAD_SEGMENT_FAST = [
     "selective_scan-sequential",
     "RGLRU-sequential",
     "MambaBlock-associative",
     "ssd_scan-associative",
+    "GatedDeltaNetBlock-sequential",
 ]
 
 
@@ -243,7 +256,12 @@ def test_a_bad_segment_stays_in_its_segment(name, scan):
 # Mamba2Block (kept fast); MambaBlock's packing is checked by test_a_bad_segment_
 # stays_in_its_segment[MambaBlock-associative]
 @pytest.mark.parametrize(
-    "name", [pytest.param("MambaBlock", marks=pytest.mark.slow), "Mamba2Block"]
+    "name",
+    [
+        pytest.param("MambaBlock", marks=pytest.mark.slow),
+        "Mamba2Block",
+        "GatedDeltaNetBlock",
+    ],
 )
 def test_stacked_blocks_keep_documents_apart(name):
     """Two blocks in a row, the second document starting inside a chunk: with a NaN
@@ -252,8 +270,13 @@ def test_stacked_blocks_keep_documents_apart(name):
     of a loss on the first. The second block's backward gives finite outputs of
     the first NaN cotangents (its convolution reaches back over the bad step): they
     must not cross the reset, either way."""
-    make = {"MambaBlock": eqx_seq.MambaBlock, "Mamba2Block": eqx_seq.Mamba2Block}[name]
-    base = {"MambaBlock": _mamba, "Mamba2Block": _mamba2}[name]
+    make = {
+        "MambaBlock": eqx_seq.MambaBlock,
+        "Mamba2Block": eqx_seq.Mamba2Block,
+        "GatedDeltaNetBlock": eqx_seq.GatedDeltaNetBlock,
+    }[name]
+    base = {"MambaBlock": _mamba, "Mamba2Block": _mamba2, "GatedDeltaNetBlock": _gdn}
+    base = base[name]
     keys = jr.split(jr.key(8), 2)
     first, second = (make(base(k, eqx_seq.SequentialScan())) for k in keys)
     start = 7
@@ -290,6 +313,8 @@ def test_stacked_blocks_keep_documents_apart(name):
         "Mamba2Block",
         pytest.param("RGLRU", marks=pytest.mark.slow),
         "HawkBlock",
+        pytest.param("GatedDeltaNet", marks=pytest.mark.slow),
+        "GatedDeltaNetBlock",
     ],
 )
 def test_step_mode_restarts_like_the_parallel_call(name):
@@ -308,8 +333,12 @@ def test_step_mode_restarts_like_the_parallel_call(name):
         "HawkBlock": lambda: eqx_seq.HawkBlock(
             4, lru_width=4, num_heads=2, conv_size=3, key=jr.key(4)
         ),
+        "GatedDeltaNet": lambda: _gdn(jr.key(4), eqx_seq.SequentialScan()),
+        "GatedDeltaNetBlock": lambda: eqx_seq.GatedDeltaNetBlock(
+            _gdn(jr.key(4), eqx_seq.SequentialScan())
+        ),
     }[name]()
-    size = 3 if name.startswith("Mamba") else 4
+    size = 4 if name in ("RGLRU", "HawkBlock") else 3
     x = _poisoned(jr.normal(jr.key(5), (T, size)))
 
     @eqx.filter_jit

@@ -9,6 +9,7 @@ import jax
 import jax.random as jr
 from jaxtyping import Array, PRNGKeyArray
 
+from .._delta._layer import GatedDeltaNet, GatedDeltaNetBlock
 from .._misc import check_positive_int, check_real
 from .._scan import AbstractScan
 from .._ssm._block import S5Block
@@ -21,10 +22,10 @@ from .._ssm._recurrent import AbstractRecurrentLayer
 from .._ssm._s5 import S5
 
 
-MIXERS = ("s5", "lru", "rglru", "mamba", "mamba2")
+MIXERS = ("s5", "lru", "rglru", "mamba", "mamba2", "gated_deltanet")
 # a mixer of the library by name, or a user's: a function that makes one block
 Mixer = (
-    Literal["s5", "lru", "rglru", "mamba", "mamba2"]
+    Literal["s5", "lru", "rglru", "mamba", "mamba2", "gated_deltanet"]
     | Callable[[PRNGKeyArray], AbstractRecurrentLayer]
 )
 
@@ -34,7 +35,7 @@ Mixer = (
 # would train a different model from the one asked for.
 BLOCK_ARGUMENTS = {
     "state_size": (
-        ("s5", "lru", "mamba", "mamba2"),
+        ("s5", "lru", "mamba", "mamba2", "gated_deltanet"),
         64,
         "the RG-LRU's state is as wide as the model",
     ),
@@ -45,7 +46,7 @@ BLOCK_ARGUMENTS = {
         "it is the S5 block's; Hawk and Mamba blocks have their own gates",
     ),
     "norm": (
-        ("s5", "lru", "mamba", "mamba2"),
+        ("s5", "lru", "mamba", "mamba2", "gated_deltanet"),
         "layer",
         "Hawk blocks have their own RMSNorms",
     ),
@@ -54,7 +55,11 @@ BLOCK_ARGUMENTS = {
         True,
         "Hawk and Mamba blocks always normalise their input",
     ),
-    "dropout": (("s5", "lru", "mamba", "mamba2"), 0.0, "Hawk blocks have no dropout"),
+    "dropout": (
+        ("s5", "lru", "mamba", "mamba2", "gated_deltanet"),
+        0.0,
+        "Hawk blocks have no dropout",
+    ),
 }
 
 
@@ -124,8 +129,10 @@ def make_blocks(
 ) -> tuple[AbstractRecurrentLayer, ...]:
     """`depth` residual blocks of width `width`, every recurrence with the backend
     `scan`: [`eqx_seq.S5Block`][]s around S5 or LRU layers,
-    [`eqx_seq.HawkBlock`][]s, [`eqx_seq.MambaBlock`][]s or
-    [`eqx_seq.Mamba2Block`][]s, or the blocks a user's
+    [`eqx_seq.HawkBlock`][]s, [`eqx_seq.MambaBlock`][]s,
+    [`eqx_seq.Mamba2Block`][]s or [`eqx_seq.GatedDeltaNetBlock`][]s (heads of
+    `state_size` key channels: the state of Mamba-2's at `expand = 2` when
+    `state_size` divides `width`), or the blocks a user's
     `mixer` makes. An argument that the mixer's blocks do not have
     (`BLOCK_ARGUMENTS`; `bidirectional=True` for the causal selective layers) is
     refused."""
@@ -170,6 +177,17 @@ def make_blocks(
                 key=ssm_key,
             )
             blocks.append(Mamba2Block(layer, norm=norm, dropout=dropout))
+            continue
+        if mixer == "gated_deltanet":
+            layer = GatedDeltaNet(
+                width,
+                num_heads=max(1, width // state_size),
+                head_dim=state_size,
+                scan=scan,
+                dtype=dtype,
+                key=ssm_key,
+            )
+            blocks.append(GatedDeltaNetBlock(layer, norm=norm, dropout=dropout))
             continue
         if mixer == "s5":
             ssm = S5(

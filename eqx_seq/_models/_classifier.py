@@ -21,24 +21,26 @@ class SequenceClassifier(eqx.Module):
     The model of the S5 paper's classification tasks (Smith et al., 2023), built
     from [`eqx_seq.S5`][] (or [`eqx_seq.LRU`][]) inside [`eqx_seq.S5Block`][]s, or
     from the selective layers: [`eqx_seq.HawkBlock`][]s (`mixer="rglru"`),
-    [`eqx_seq.MambaBlock`][]s (`mixer="mamba"`) or [`eqx_seq.Mamba2Block`][]s
-    (`mixer="mamba2"`, heads of `gcd(2 * width, 64)` channels). The backend is
-    chosen once,
+    [`eqx_seq.MambaBlock`][]s (`mixer="mamba"`), [`eqx_seq.Mamba2Block`][]s
+    (`mixer="mamba2"`, heads of `gcd(2 * width, 64)` channels) or
+    [`eqx_seq.GatedDeltaNetBlock`][]s (`mixer="gated_deltanet"`, `width //
+    state_size` heads of `state_size` key channels, the state of the Mamba-2
+    blocks when `state_size` divides `width`). The backend is chosen once,
     `scan=`, and reaches every layer. Train it with
     `eqx_seq.s5_optimizer` (SSM parameters at their own learning rate, without
     weight decay).
 
     The arguments of the blocks that only some mixers have:
 
-    | argument        | `"s5"` | `"lru"` | `"rglru"` | `"mamba"` | `"mamba2"` |
-    |-----------------|:------:|:-------:|:---------:|:---------:|:----------:|
-    | `state_size`    |   ✓    |    ✓    |           |     ✓     |     ✓      |
-    | `ssm_blocks`    |   ✓    |         |           |           |            |
-    | `bidirectional` |   ✓    |    ✓    |           |           |            |
-    | `activation`    |   ✓    |    ✓    |           |           |            |
-    | `norm`          |   ✓    |    ✓    |           |     ✓     |     ✓      |
-    | `prenorm`       |   ✓    |    ✓    |           |           |            |
-    | `dropout`       |   ✓    |    ✓    |           |     ✓     |     ✓      |
+    | argument        | s5 | lru | rglru | mamba | mamba2 | gated_deltanet |
+    |-----------------|:--:|:---:|:-----:|:-----:|:------:|:--------------:|
+    | `state_size`    | ✓  |  ✓  |       |   ✓   |   ✓    |       ✓        |
+    | `ssm_blocks`    | ✓  |     |       |       |        |                |
+    | `bidirectional` | ✓  |  ✓  |       |       |        |                |
+    | `activation`    | ✓  |  ✓  |       |       |        |                |
+    | `norm`          | ✓  |  ✓  |       |   ✓   |   ✓    |       ✓        |
+    | `prenorm`       | ✓  |  ✓  |       |       |        |                |
+    | `dropout`       | ✓  |  ✓  |       |   ✓   |   ✓    |       ✓        |
 
     One given a value other than its default with a mixer that has no such
     argument is refused (`ValueError`) rather than ignored. A mixer of your own
@@ -89,8 +91,11 @@ class SequenceClassifier(eqx.Module):
         - `width`: the model width `H` (features inside the blocks).
         - `depth`: the number of blocks.
         - `state_size`: each SSM's `state_size` (for Mamba, the states per
-            channel). Not for `mixer="rglru"`: the RG-LRU's state is the width.
-        - `mixer`: `"s5"`, `"lru"`, `"rglru"`, `"mamba"` or `"mamba2"`; or a
+            channel; for Gated DeltaNet, the key channels per head, which are the
+            states per value channel). Not for `mixer="rglru"`: the RG-LRU's
+            state is the width.
+        - `mixer`: `"s5"`, `"lru"`, `"rglru"`, `"mamba"`, `"mamba2"` or
+            `"gated_deltanet"`; or a
             mixer of your own, a function `key -> eqx_seq.AbstractRecurrentLayer`
             that makes one block from `(T, width)` to `(T, width)` (the model
             stacks `depth` of them; the block arguments below keep their
@@ -102,14 +107,15 @@ class SequenceClassifier(eqx.Module):
         - `pooling`: `"mean"` over (valid) steps or the `"last"` (valid) step.
         - `activation`, `prenorm`: for every [`eqx_seq.S5Block`][] (`"s5"` and
             `"lru"` only).
-        - `norm`: `"layer"` or `"rms"`, the norm of every [`eqx_seq.S5Block`][]
-            or [`eqx_seq.MambaBlock`][] (not `"rglru"`: a
+        - `norm`: `"layer"` or `"rms"`, the norm of every [`eqx_seq.S5Block`][],
+            [`eqx_seq.MambaBlock`][] or [`eqx_seq.GatedDeltaNetBlock`][] (not
+            `"rglru"`: a
             [`eqx_seq.HawkBlock`][] has its own RMSNorms).
-        - `dropout`: in `[0, 1)`, in every [`eqx_seq.S5Block`][] or
-            [`eqx_seq.MambaBlock`][] (not `"rglru"`: a [`eqx_seq.HawkBlock`][]
-            has no dropout).
+        - `dropout`: in `[0, 1)`, in every [`eqx_seq.S5Block`][],
+            [`eqx_seq.MambaBlock`][] or [`eqx_seq.GatedDeltaNetBlock`][] (not
+            `"rglru"`: a [`eqx_seq.HawkBlock`][] has no dropout).
         - `scan`: the recurrence backend of every layer. With
-            [`eqx_seq.ShardedScan`][] (S5 or LRU mixers), the sequence's time axis
+            [`eqx_seq.ShardedScan`][], the sequence's time axis
             is split over devices inside `jax.shard_map`: the pooling sums over
             them, and every device returns the logits of the whole sequence.
         - `dtype`: the parameter dtype.

@@ -32,7 +32,8 @@ class LanguageModel(eqx.Module):
 
     The blocks are [`eqx_seq.S5Block`][]s around S5 or LRU layers,
     [`eqx_seq.HawkBlock`][]s (`mixer="rglru"`), [`eqx_seq.MambaBlock`][]s
-    (`mixer="mamba"`) or [`eqx_seq.Mamba2Block`][]s (`mixer="mamba2"`).
+    (`mixer="mamba"`), [`eqx_seq.Mamba2Block`][]s (`mixer="mamba2"`) or
+    [`eqx_seq.GatedDeltaNetBlock`][]s (`mixer="gated_deltanet"`).
 
     The output layer is the embedding itself ([`eqx_seq.Embedding.attend`][]), so
     the model has one `(vocab_size, width)` table. Generation runs the blocks in

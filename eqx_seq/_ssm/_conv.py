@@ -15,13 +15,22 @@ class CausalConv(eqx.Module):
     convolved with its own `K` taps over the current and the `K - 1` previous steps.
 
     The state of step mode (and of streaming in chunks) is the last `K - 1` inputs,
-    shape `(K - 1, C)`, zeros before the sequence starts.
+    shape `(K - 1, C)`, zeros before the sequence starts. Without a bias
+    (`use_bias=False`, Gated DeltaNet's), `bias` is `None`.
     """
 
     weight: Float[Array, "K C"]
-    bias: Float[Array, " C"]
+    bias: Float[Array, " C"] | None
 
-    def __init__(self, channels: int, kernel_size: int, *, dtype, key: PRNGKeyArray):
+    def __init__(
+        self,
+        channels: int,
+        kernel_size: int,
+        *,
+        use_bias: bool = True,
+        dtype,
+        key: PRNGKeyArray,
+    ):
         # PyTorch's default for a depthwise `Conv1d` (fan-in = kernel_size), which
         # Mamba and Griffin both start from
         bound = kernel_size**-0.5
@@ -29,14 +38,20 @@ class CausalConv(eqx.Module):
         self.weight = jr.uniform(
             wkey, (kernel_size, channels), dtype, minval=-bound, maxval=bound
         )
-        self.bias = jr.uniform(bkey, (channels,), dtype, minval=-bound, maxval=bound)
+        self.bias = (
+            jr.uniform(bkey, (channels,), dtype, minval=-bound, maxval=bound)
+            if use_bias
+            else None
+        )
 
     @property
     def kernel_size(self) -> int:
         return self.weight.shape[0]
 
     def init_state(self) -> Float[Array, "K1 C"]:
-        return jnp.zeros((self.kernel_size - 1, self.weight.shape[1]), self.bias.dtype)
+        return jnp.zeros(
+            (self.kernel_size - 1, self.weight.shape[1]), self.weight.dtype
+        )
 
     def _padded(self, x: Array, state: Array | None) -> Array:
         if state is None:
@@ -98,9 +113,10 @@ class CausalConv(eqx.Module):
         padded = self._padded(x, state)
         weight = self.weight.astype(x.dtype)
         # K shifted products: K is small, so this beats a general convolution
-        y = self.bias.astype(x.dtype)[None]
+        y = None if self.bias is None else self.bias.astype(x.dtype)[None]
         for k in range(self.kernel_size):
-            y = y + weight[k][None] * padded[k : k + T]
+            term = weight[k][None] * padded[k : k + T]
+            y = term if y is None else y + term
         return y
 
     def final_state(
@@ -128,7 +144,7 @@ class CausalConv(eqx.Module):
         """One step: `(state, y_t)`; `reset` starts a segment at this step."""
         state = jnp.where(reset, jnp.zeros((), x_t.dtype), state.astype(x_t.dtype))
         window = jnp.concatenate([state, x_t[None]])
-        y = self.bias.astype(x_t.dtype) + jnp.sum(
-            self.weight.astype(x_t.dtype) * window, axis=0
-        )
+        y = jnp.sum(self.weight.astype(x_t.dtype) * window, axis=0)
+        if self.bias is not None:
+            y = self.bias.astype(x_t.dtype) + y
         return window[1:], y

@@ -1,5 +1,7 @@
-"""The residual blocks around the Mamba layers: norm, mixer, dropout, skip."""
+"""The residual blocks around the Mamba layers (and the Gated DeltaNet layer):
+norm, mixer, dropout, skip."""
 
+import abc
 from collections.abc import Sequence
 from typing import ClassVar, Literal
 
@@ -8,38 +10,51 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike, Bool, Float, PRNGKeyArray, Real
 
-from .._misc import check_real, check_sequence, real_input
-from ._mamba import Mamba, MambaState
-from ._mamba2 import Mamba2, Mamba2State
+from .._misc import check_real, check_sequence, check_state_parts, real_input
+from ._mamba import Mamba
+from ._mamba2 import Mamba2
 from ._recurrent import AbstractRecurrentLayer
 
 
-class _AbstractMambaBlock(AbstractRecurrentLayer):
-    """What `MambaBlock` and `Mamba2Block` share: all but the mixer's type."""
+class AbstractMixerBlock(AbstractRecurrentLayer):
+    """What `MambaBlock`, `Mamba2Block` and `GatedDeltaNetBlock` share: all but
+    the mixer's type and the name of its field (`_layer`). The mixer has an
+    `input_size`, an `out_proj` in the parameters' dtype and the recurrent
+    layer's methods with `reset`."""
 
     recurrence_fields: ClassVar[tuple[str, ...]] = ()
-    mamba: eqx.AbstractVar[Mamba | Mamba2]
+    # the names of the state's parts, in the errors of `step`
+    _parts: ClassVar[tuple[str, str]] = ("conv_state", "ssm_state")
     norm: eqx.AbstractVar[eqx.nn.LayerNorm | eqx.nn.RMSNorm]
     dropout: eqx.AbstractVar[eqx.nn.Dropout]
+
+    @property
+    @abc.abstractmethod
+    def _layer(self) -> AbstractRecurrentLayer:
+        """The mixer."""
 
     @property
     def _name(self) -> str:
         return type(self).__name__
 
+    @property
+    def _dtype(self) -> jnp.dtype:
+        return self._layer.out_proj.dtype
+
     def _setup(
-        self, mamba, kind: type, norm: str, norm_eps: float, dropout: float
+        self, field: str, layer, kind: type, norm: str, norm_eps: float, dropout: float
     ) -> None:
-        if not isinstance(mamba, kind):
+        if not isinstance(layer, kind):
             raise ValueError(
-                f"`mamba` must be an `eqx_seq.{kind.__name__}`, got {type(mamba)}."
+                f"`{field}` must be an `eqx_seq.{kind.__name__}`, got {type(layer)}."
             )
         if norm not in ("layer", "rms"):
             raise ValueError(f'`norm` must be "layer" or "rms", got {norm!r}.')
         if not 0 <= dropout < 1:
             raise ValueError(f"`dropout` must be in [0, 1), got {dropout}.")
         norm_eps = check_real("norm_eps", norm_eps, positive=True)
-        size, dtype = mamba.input_size, mamba.D.dtype
-        self.mamba = mamba
+        size, dtype = layer.input_size, layer.out_proj.dtype
+        setattr(self, field, layer)
         # RMS: a scale and no bias, as the reference models' norms
         self.norm = (
             eqx.nn.LayerNorm(size, eps=norm_eps, dtype=dtype)
@@ -53,7 +68,7 @@ class _AbstractMambaBlock(AbstractRecurrentLayer):
         x: Real[ArrayLike, "T H"],
         *,
         reset: Bool[ArrayLike, " T"] | Sequence[bool] | None = None,
-        h0: MambaState | Mamba2State | None = None,
+        h0: tuple[Array, Array] | None = None,
         key: PRNGKeyArray | None = None,
     ) -> Float[Array, "T H"]:
         """**Arguments:**
@@ -70,71 +85,40 @@ class _AbstractMambaBlock(AbstractRecurrentLayer):
         """
         with jax.named_scope(f"eqx_seq.{self._name}"):
             # checked before the norm, whose own error would name `RMSNorm`
-            x = check_sequence(
-                x, self.mamba.input_size, self._name, dtype=self.mamba.D.dtype
-            )
-            y = self.mamba(jax.vmap(self.norm)(x), reset=reset, h0=h0)
+            x = check_sequence(x, self._layer.input_size, self._name, dtype=self._dtype)
+            y = self._layer(jax.vmap(self.norm)(x), reset=reset, h0=h0)
             mask = self.dropout(jnp.ones(y.shape[-1], y.dtype), key=key)
             return x.astype(y.dtype) + y * mask[None]
 
-    def _check_state(self, state: object) -> MambaState | Mamba2State:
+    def _check_state(self, state: object) -> tuple[Array, ...]:
         """`state` if it is a pair of real floating arrays shaped as those of
         `init_state()`."""
         shapes = tuple(s.shape for s in jax.eval_shape(self.init_state))
-        expected = (
-            "a pair `(conv_state, ssm_state)` of real floating arrays of shapes "
-            f"{shapes[0]} and {shapes[1]}, as `init_state()` returns"
-        )
-        if not isinstance(state, (tuple, list)) or len(state) != 2:
-            given = (
-                f"a {type(state).__name__} of length {len(state)}"
-                if isinstance(state, (tuple, list))
-                else type(state).__name__
-            )
-            raise ValueError(
-                f"`{self._name}.step`: `state` must be {expected}, got {given}."
-            )
-        parts = []
-        for i, (part, shape) in enumerate(zip(state, shapes)):
-            want = (
-                f"`{self._name}.step`: `state[{i}]` ({('conv_state', 'ssm_state')[i]}) "
-                f"must be a real floating array of shape {shape}, as in "
-                "`init_state()`, got"
-            )
-            try:
-                part = jnp.asarray(part)
-            except (TypeError, ValueError):  # None, a string, an object
-                raise ValueError(f"{want} {type(part).__name__}.") from None
-            if part.shape != shape or not jnp.issubdtype(part.dtype, jnp.floating):
-                raise ValueError(f"{want} {part.dtype} of shape {part.shape}.")
-            parts.append(part)
-        return tuple(parts)
+        return check_state_parts(state, shapes, f"{self._name}.step", self._parts)
 
-    def init_state(self) -> MambaState | Mamba2State:
+    def init_state(self) -> tuple[Array, Array]:
         """The layer's zero state, for step mode."""
-        return self.mamba.init_state()
+        return self._layer.init_state()
 
     def final_state(
         self,
         x: Real[ArrayLike, "T H"],
         *,
         reset: Bool[ArrayLike, " T"] | Sequence[bool] | None = None,
-        h0: MambaState | Mamba2State | None = None,
-    ) -> MambaState | Mamba2State:
+        h0: tuple[Array, Array] | None = None,
+    ) -> tuple[Array, Array]:
         """The layer's state after the last step of `x` (streaming)."""
-        x = check_sequence(
-            x, self.mamba.input_size, self._name, dtype=self.mamba.D.dtype
-        )
+        x = check_sequence(x, self._layer.input_size, self._name, dtype=self._dtype)
         z = jax.vmap(self.norm)(x)
-        return self.mamba.final_state(z, reset=reset, h0=h0)
+        return self._layer.final_state(z, reset=reset, h0=h0)
 
     def step(
         self,
-        state: MambaState | Mamba2State,
+        state: tuple[Array, Array],
         x_t: Real[ArrayLike, " H"],
         *,
         reset: bool | Bool[ArrayLike, ""] = False,
-    ) -> tuple[MambaState | Mamba2State, Float[Array, " H"]]:
+    ) -> tuple[tuple[Array, Array], Float[Array, " H"]]:
         """One step (RNN mode), equal to the parallel call in inference mode.
 
         **Arguments:**
@@ -153,18 +137,18 @@ class _AbstractMambaBlock(AbstractRecurrentLayer):
         # state, and a wrong shape would meet the norm's own error first
         state = self._check_state(state)
         x_t = jnp.asarray(x_t)
-        size = self.mamba.input_size
+        size = self._layer.input_size
         if x_t.shape != (size,):
             raise ValueError(
                 f"`{self._name}.step` takes one real input of shape ({size},), got "
                 f"{x_t.dtype} of shape {x_t.shape}."
             )
-        x_t = real_input(x_t, f"{self._name}.step", self.mamba.D.dtype)
-        state, y = self.mamba.step(state, self.norm(x_t), reset=reset)
+        x_t = real_input(x_t, f"{self._name}.step", self._dtype)
+        state, y = self._layer.step(state, self.norm(x_t), reset=reset)
         return state, x_t.astype(y.dtype) + y
 
 
-class MambaBlock(_AbstractMambaBlock):
+class MambaBlock(AbstractMixerBlock):
     """A residual block around a [`eqx_seq.Mamba`][] layer, as in the Mamba
     paper's models: `x -> x + dropout(mamba(norm(x)))`.
 
@@ -188,6 +172,10 @@ class MambaBlock(_AbstractMambaBlock):
     norm: eqx.nn.LayerNorm | eqx.nn.RMSNorm
     dropout: eqx.nn.Dropout
 
+    @property
+    def _layer(self) -> Mamba:
+        return self.mamba
+
     def __init__(
         self,
         mamba: Mamba,
@@ -204,10 +192,10 @@ class MambaBlock(_AbstractMambaBlock):
         - `norm_eps`: the norm's epsilon (the reference models' 1e-5).
         - `dropout`: the dropout probability on the mixer's output.
         """
-        self._setup(mamba, Mamba, norm, norm_eps, dropout)
+        self._setup("mamba", mamba, Mamba, norm, norm_eps, dropout)
 
 
-class Mamba2Block(_AbstractMambaBlock):
+class Mamba2Block(AbstractMixerBlock):
     """A residual block around a [`eqx_seq.Mamba2`][] layer, as in the Mamba-2
     paper's models: `x -> x + dropout(mamba(norm(x)))`.
 
@@ -232,6 +220,10 @@ class Mamba2Block(_AbstractMambaBlock):
     norm: eqx.nn.LayerNorm | eqx.nn.RMSNorm
     dropout: eqx.nn.Dropout
 
+    @property
+    def _layer(self) -> Mamba2:
+        return self.mamba
+
     def __init__(
         self,
         mamba: Mamba2,
@@ -248,4 +240,4 @@ class Mamba2Block(_AbstractMambaBlock):
         - `norm_eps`: the norm's epsilon (the reference models' 1e-5).
         - `dropout`: the dropout probability on the mixer's output.
         """
-        self._setup(mamba, Mamba2, norm, norm_eps, dropout)
+        self._setup("mamba", mamba, Mamba2, norm, norm_eps, dropout)

@@ -13,10 +13,11 @@ class AbstractRecurrentLayer(eqx.Module):
 
     [`eqx_seq.S5`][], [`eqx_seq.LRU`][], [`eqx_seq.S5Block`][], [`eqx_seq.RGLRU`][],
     [`eqx_seq.HawkBlock`][], [`eqx_seq.Mamba`][], [`eqx_seq.MambaBlock`][],
-    [`eqx_seq.Mamba2`][] and [`eqx_seq.Mamba2Block`][] are
-    such layers. Subclass it to write one of your own: implement the four methods
-    and declare `recurrence_fields`. A layer may take more keyword arguments than
-    these (S5's `dt`, the selective layers' `reset`).
+    [`eqx_seq.Mamba2`][], [`eqx_seq.Mamba2Block`][], [`eqx_seq.GatedDeltaNet`][]
+    and [`eqx_seq.GatedDeltaNetBlock`][] are such layers. Subclass it to write one
+    of your own: implement the four methods and declare `recurrence_fields`. A
+    layer may take more keyword arguments than these (S5's `dt`, the selective
+    layers' `reset`).
 
     `recurrence_fields` (a class variable) names the layer's own fields that
     parameterise its recurrence (the decays and what shapes them), which
