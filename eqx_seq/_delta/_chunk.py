@@ -40,6 +40,52 @@ def _masked_exp(keep: Array, x: Array) -> Array:
     return jnp.exp(jnp.where(keep, x, -jnp.inf))
 
 
+def _diagonal_blocks(A: Array, m: int) -> Array:
+    """The `m x m` blocks on the diagonal of `A` `(..., n m, n m)`, `(..., n, m, m)`:
+    a strided slice of the blocks laid out in a row, not a gather."""
+    n = A.shape[-1] // m
+    lead = A.shape[:-2]
+    blocks = jnp.swapaxes(A.reshape(*lead, n, m, n, m), -3, -2)
+    return blocks.reshape(*lead, n * n, m, m)[..., :: n + 1, :, :]
+
+
+def _unit_lower_inverse(A: Array) -> Array:
+    """`(I + A)^{-1}` for `A` `(..., C, C)` strictly lower triangular, by doubling
+    the inverted diagonal blocks: two blocks' inverses `T1`, `T2` give the
+    inverse of the block they make, `[[T1, 0], [-T2 A21 T1, T2]]`. The arithmetic
+    of a blocked triangular inversion, in a few batched products and no custom
+    call (XLA:CPU's triangular solve parallelises its batch on the thread pool
+    that the program's own parallel kernels wait on, and the two can deadlock on
+    a small machine)."""
+    C = A.shape[-1]
+    size = 1 << (C - 1).bit_length()  # padded by identity rows to a power of two
+    lead = A.shape[:-2]
+    A = jnp.pad(A, [(0, 0)] * len(lead) + [(0, size - C)] * 2)
+    T = jnp.ones((*lead, size, 1, 1), A.dtype)  # the inverses of the 1 x 1 blocks
+    b = 1
+    while b < size:
+        lower = _diagonal_blocks(A, 2 * b)[..., b:, :b]  # (..., n, b, b)
+        pairs = T.reshape(*lead, size // (2 * b), 2, b, b)
+        T1, T2 = pairs[..., 0, :, :], pairs[..., 1, :, :]
+        T21 = -(T2 @ lower @ T1)
+        top = jnp.concatenate([T1, jnp.zeros_like(T1)], axis=-1)
+        T = jnp.concatenate([top, jnp.concatenate([T21, T2], axis=-1)], axis=-2)
+        b *= 2
+    return T.reshape(*lead, size, size)[..., :C, :C]
+
+
+def _unit_lower_solve(A: Array, rhs: Array) -> Array:
+    """`(I + A)^{-1} rhs` for `A` `(..., C, C)` strictly lower triangular and `rhs`
+    `(..., C, D)`, differentiated implicitly (`lax.custom_linear_solve`: the
+    derivative with respect to `A` from the solution, the transposed system solved
+    by the same inverse)."""
+    inverse = lax.stop_gradient(_unit_lower_inverse(A))
+    matvec = lambda x: x + A @ x
+    solve = lambda _, b: inverse @ b
+    transpose_solve = lambda _, b: jnp.swapaxes(inverse, -1, -2) @ b
+    return lax.custom_linear_solve(matvec, rhs, solve, transpose_solve)
+
+
 def chunk_pieces(q, k, v, beta, g, segment):
     """What a chunk's affine map needs, all independent of the entering state:
     `W` `(G, R, C, dk)`, `U` `(G, R, C, dv)`, `K~` `(G, R, C, dk)`, the decay
@@ -62,10 +108,7 @@ def chunk_pieces(q, k, v, beta, g, segment):
         ],
         axis=-1,
     )
-    eye = jnp.eye(C, dtype=A.dtype)[None, None]
-    WU = lax.linalg.triangular_solve(
-        eye + A, rhs, left_side=True, lower=True, unit_diagonal=True
-    )
+    WU = _unit_lower_solve(A, rhs)
     dk = k.shape[-1]
     W, U = WU[..., :dk], WU[..., dk:]
     last = (segment == segment[-1])[None, None]
