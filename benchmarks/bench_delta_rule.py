@@ -12,6 +12,14 @@ interleaved (`_timing.measure_many`: medians of repeats after a warm-up). "peak
 MiB": temporaries + arguments + outputs of the compiled program (XLA's memory
 analysis). "speed-up" is the anchor's time over ours, "memory /" the anchor's
 peak over ours, "compile x" our lower + compile seconds over the anchor's.
+
+Then the largest size split over two CPU devices along time (`eqx_seq.ShardedScan`
+in `jax.shard_map`, inputs already split), forward and gradient, against one
+device. A split loop can gain no more than the same loops split over an
+independent axis, here the heads (each device runs half of them on the whole
+sequence, nothing exchanged): measured in the same interleaved run, it is the
+machine's ceiling, and "of ceiling" is the time split's speed-up over it. The
+script first checks that the split outputs equal one device's.
 """
 
 import argparse
@@ -19,10 +27,16 @@ import functools as ft
 import time
 
 import jax
-import jax.numpy as jnp
-import jax.random as jr
-import numpy as np
-from _timing import (
+
+
+# two CPU devices for the split rows, set before JAX starts its backend; the other
+# programs run on the first
+jax.config.update("jax_num_cpu_devices", 2)
+
+import jax.numpy as jnp  # noqa: E402
+import jax.random as jr  # noqa: E402
+import numpy as np  # noqa: E402
+from _timing import (  # noqa: E402
     div,
     hlo_instructions,
     machine,
@@ -35,8 +49,9 @@ from _timing import (
     times,
     write_reports,
 )
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 
-import eqx_seq
+import eqx_seq  # noqa: E402
 
 
 def plain_delta_rule(q, k, v, beta, g):
@@ -55,8 +70,8 @@ def plain_delta_rule(q, k, v, beta, g):
     return jax.lax.scan(step, jnp.zeros((H, dk, dv), q.dtype), (q, k, v, beta, g))[1]
 
 
-def ours(q, k, v, beta, g, chunk):
-    return eqx_seq.delta_rule_scan(q, k, v, beta, g=g, chunk_size=chunk)
+def ours(q, k, v, beta, g, chunk, scan=eqx_seq.AutoScan()):
+    return eqx_seq.delta_rule_scan(q, k, v, beta, g=g, chunk_size=chunk, scan=scan)
 
 
 def inputs(T, H, d, seed=0):
@@ -93,6 +108,55 @@ def compile_one(fn, args):
     }
 
 
+def split_programs(x, chunk) -> dict:
+    """`delta_rule_scan` on one device, split over two along time, and split over
+    two along the heads (the ceiling): `name -> (fn, args)`, forward and gradient,
+    the split programs given their inputs already split."""
+    mesh = Mesh(np.array(jax.devices()[:2]), ("d",))
+    one = ft.partial(ours, chunk=chunk, scan=eqx_seq.SequentialScan())
+    programs = {"one device": (one, x)}
+    for name, spec, scan in [
+        ("time split", P("d"), eqx_seq.ShardedScan("d", eqx_seq.SequentialScan())),
+        ("heads split", P(None, "d"), eqx_seq.SequentialScan()),
+    ]:
+        fn = jax.shard_map(
+            ft.partial(ours, chunk=chunk, scan=scan),
+            mesh=mesh,
+            in_specs=(spec,) * len(x),
+            out_specs=spec,
+        )
+        programs[name] = (
+            fn,
+            tuple(jax.device_put(a, NamedSharding(mesh, spec)) for a in x),
+        )
+    return {
+        f"{name} {what}": (fn if what == "fwd" else gradient(fn), args)
+        for name, (fn, args) in programs.items()
+        for what in ("fwd", "grad")
+    }
+
+
+def run_split(x, args) -> dict:
+    T, H, d = x[2].shape
+    progs, cost = {}, {}
+    for name, (fn, inputs) in split_programs(x, args.chunk).items():
+        compiled, cost[name] = compile_one(fn, inputs)
+        progs[name] = (compiled, inputs)
+    out = {
+        n: np.asarray(progs[f"{n} fwd"][0](*progs[f"{n} fwd"][1]))
+        for n in ("one device", "time split")
+    }
+    check = float(np.max(np.abs(out["time split"] - out["one device"])))
+    print(f"check T={T}: |split over two devices - one device| = {check:.2e}")
+    if not check < 1e-4:
+        raise SystemExit(f"the split and one device differ by {check} at T={T}")
+    timed = measure_many(progs, repeats=args.repeats, min_time=0.05)
+    return {
+        "T": T, "H": H, "dk": d, "dv": d, "chunk": args.chunk, "check": check,
+        "programs": {n: {**cost[n], **timed[n]} for n in progs},
+    }  # fmt: skip
+
+
 def run(args) -> dict:
     quick = args.quick
     H, d = (2, 16) if quick else (4, 64)
@@ -123,7 +187,9 @@ def run(args) -> dict:
                 "programs": {n: {**cost[n], **timed[n]} for n in programs},
             }
         )  # fmt: skip
-    return {"machine": machine(), "quick": quick, "rows": rows}
+    print(f"measuring: T={lengths[-1]} split over two devices")
+    split = run_split(x, args)
+    return {"machine": machine(), "quick": quick, "rows": rows, "split": split}
 
 
 def headline(payload) -> str:
@@ -147,6 +213,28 @@ def headline(payload) -> str:
             ]
         )
         + " the plain scan's"
+        + _split_headline(payload)
+    )
+
+
+def _split_speed_ups(split, what) -> tuple:
+    """The time split's speed-up over one device, the ceiling's (the heads split),
+    and the first over the second."""
+    p = split["programs"]
+    one = p[f"one device {what}"]["median_ms"]
+    time_split = div(one, p[f"time split {what}"]["median_ms"])
+    ceiling = div(one, p[f"heads split {what}"]["median_ms"])
+    return time_split, ceiling, div(time_split, ceiling)
+
+
+def _split_headline(payload) -> str:
+    if "split" not in payload:
+        return ""
+    ups = {w: _split_speed_ups(payload["split"], w) for w in ("fwd", "grad")}
+    return (
+        "; split over two CPU devices along time, forward and gradient a speed-up "
+        f"of {span([ups[w][0] for w in ups])} (the ceiling, split along the heads: "
+        f"{span([ups[w][1] for w in ups])})"
     )
 
 
@@ -177,12 +265,52 @@ def tables(payload) -> list[str]:
                     f"{o['hlo']} / {a['hlo']}",
                 ]
             )
-    return out + table(
-        "T, heads, d, chunk | program | ours ms | plain ms | speed-up | ours peak MiB "
-        "| plain peak MiB | memory / | ours lower + compile s | plain lower + compile s "
-        "| compile x | HLO ours / plain",
-        lines,
-        left=2,
+    return (
+        out
+        + table(
+            "T, heads, d, chunk | program | ours ms | plain ms | speed-up | ours peak "
+            "MiB | plain peak MiB | memory / | ours lower + compile s | plain lower + "
+            "compile s | compile x | HLO ours / plain",
+            lines,
+            left=2,
+        )
+        + _split_tables(payload)
+    )
+
+
+def _split_tables(payload) -> list[str]:
+    if "split" not in payload:
+        return []
+    split = payload["split"]
+    p = split["programs"]
+    rows = []
+    for what in ("fwd", "grad"):
+        time_split, ceiling, fraction = _split_speed_ups(split, what)
+        rows.append(
+            [
+                what,
+                ms(p[f"one device {what}"]["median_ms"]),
+                ms(p[f"time split {what}"]["median_ms"]),
+                times(time_split),
+                ms(p[f"heads split {what}"]["median_ms"]),
+                times(ceiling),
+                times(fraction),
+                f"{p[f'one device {what}']['peak_mib']:.1f}",
+                f"{p[f'time split {what}']['peak_mib']:.1f}",
+                f"{p[f'heads split {what}']['peak_mib']:.1f}",
+            ]
+        )
+    return [
+        f"T = {split['T']}, H {split['H']}, d {split['dk']}, C {split['chunk']}: one "
+        "device against the sequence split over two CPU devices along time "
+        "(`ShardedScan`, inputs already split) and, the ceiling of a split loop on "
+        "this machine, along the heads (half the heads per device, nothing "
+        "exchanged). Peak MiB per device.",
+        "",
+    ] + table(
+        "program | one device ms | time split ms | speed-up | heads split ms | "
+        "ceiling | of ceiling | one device MiB | time split MiB | heads split MiB",
+        rows,
     )
 
 

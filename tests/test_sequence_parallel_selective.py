@@ -1,12 +1,14 @@
 """The selective layers on one sequence split over devices along time
 (`eqx_seq.ShardedScan` inside `jax.shard_map`): `selective_scan`, `Mamba`,
-`MambaBlock`, `HawkBlock` and language models built on them give the values and
-gradients of the same layer on one device.
+`MambaBlock`, `HawkBlock` and language models built on them, and `delta_rule_scan`,
+give the values and gradients of the same layer on one device.
 
 What crosses a block boundary: the `K - 1` inputs a causal convolution reads before
-a block (`AbstractScan.halo`) and the selective recurrence's state (folded from the
-blocks' maps). On the CPU devices of `conftest.py`: two, and four (blocks with
-neighbours on both sides) for the blocks' maps under resets and for the layers.
+a block (`AbstractScan.halo`) and the recurrence's state (folded from the blocks'
+maps: diagonal ones by `carry_into_block`, the delta rule's with a dense matrix part
+by `carry_matrix_into_block`). On the CPU devices of `conftest.py`: two, and four
+(blocks with neighbours on both sides) for the blocks' maps under resets, for the
+layers and for the delta rule.
 """
 
 import functools as ft
@@ -415,3 +417,124 @@ def test_convolution_longer_than_a_block():
     with pytest.raises(ValueError, match="block of 2 steps is shorter than the 3"):
         run(jnp.ones((4, 4)))
     run(jnp.ones((6, 4)))  # blocks of 3: enough
+
+
+# ------------------------------------------------------------------ delta rule
+
+
+def test_carry_matrix_into_block():
+    """The contract for maps with a dense matrix part, `S -> M @ S + N` (a batch
+    axis of `3 x 2` states): on four devices, by `all_gather` in run order and by
+    `ppermute` in reverse, each device enters with the maps of the blocks before it
+    composed, the first block's from `h0` (the others' `h0` is never read), from
+    one program; on one device the carry is `h0`, and the block's map is not
+    called."""
+    D, B, d, e = 4, 2, 3, 2
+    rng = np.random.default_rng(17)
+    M, N, h0s = (rng.normal(size=(D, B, d, n)) for n in (d, e, e))  # h0: one a device
+    cases = [("all_gather", False), ("ppermute", True)]
+
+    def per_device(M, N, h0s):
+        block_map = lambda start: (M[0], M[0] @ start + N[0])
+        return [
+            eqx_seq.ShardedScan("seq", exchange=exchange).carry_matrix_into_block(
+                block_map, h0s[0], reverse=reverse
+            )[None]
+            for exchange, reverse in cases
+        ]
+
+    got = jax.jit(_shard_map(per_device, (P("seq"),) * 3, devices=D))(M, N, h0s)
+    for (exchange, reverse), value in zip(cases, got):
+        order = range(D - 1, -1, -1) if reverse else range(D)
+        S, expected = h0s[order[0]], [None] * D
+        for j in order:
+            expected[j], S = S, M[j] @ S + N[j]
+        _assert_close(value, np.stack(expected), rtol=1e-12, atol=1e-12)
+
+    def never(start):
+        raise AssertionError("one block: no map is needed")
+
+    h0 = jnp.asarray(h0s[0])
+    for scan in (ONE, eqx_seq.AssociativeScan(), eqx_seq.AutoScan()):
+        assert scan.carry_matrix_into_block(never, h0) is h0
+
+
+def _delta_inputs(T, G=1, H=2, dk=3, dv=3):
+    rng = np.random.default_rng(14)
+    return {
+        "q": rng.normal(size=(T, G, dk)),
+        "k": rng.normal(size=(T, G, dk)),
+        "v": rng.normal(size=(T, H, dv)),
+        "beta": rng.uniform(0.05, 1.95, size=(T, H)),
+        "g": np.log(rng.uniform(0.3, 1.0, size=(T, H))),
+        "h0": rng.normal(size=(H, dk, dv)),
+    }
+
+
+# slow tier: the `ppermute` exchange, whose maps test_carry_matrix_into_block checks
+@pytest.mark.parametrize(
+    "exchange", slow_except(["all_gather", "ppermute"], ["all_gather"])
+)
+def test_delta_rule_scan(exchange):
+    """`delta_rule_scan` on four devices (blocks of 6 steps, chunks of 4 that do not
+    divide them; beta in (0, 2), gates; a segment starting at a block's first step
+    and one inside a block; a NaN in `v` in the first document, which spans two
+    blocks): the outputs (NaN exactly where one device's are: that value channel
+    of the first document's later steps), the last device's final state and the
+    gradient of a loss on the finite outputs and the final state with respect to
+    every array equal one device's, from one compiled program per side. Only the
+    first device's `h0` counts: the others get a zero gradient."""
+    T, D = 24, 4
+    x = _delta_inputs(T)
+    x["v"][3, 1, 0] = np.nan
+    reset = np.zeros(T, bool)
+    reset[[12, 15]] = True
+    rng = np.random.default_rng(15)
+    w, w_last = rng.normal(size=x["v"].shape), rng.normal(size=x["h0"].shape)
+
+    def call(scan, q, k, v, beta, g, h0, reset):
+        return eqx_seq.delta_rule_scan(
+            q, k, v, beta, g=g, h0=h0, reset=reset, chunk_size=4, scan=scan,
+            return_final_state=True,
+        )  # fmt: skip
+
+    scan = eqx_seq.ShardedScan("seq", exchange=exchange)
+
+    def per_device(*arrays):
+        *arrays, h0s, reset = arrays
+        y, final = call(scan, *arrays, h0s[0], reset)
+        return y, final[None]
+
+    split = _shard_map(per_device, (P("seq"),) * 7, (P("seq"), P("seq")), devices=D)
+
+    def program(fn):
+        def loss(*arrays):
+            y, final = fn(*arrays, reset)
+            value = jnp.sum(jnp.where(jnp.isnan(y), 0, y) * w) + jnp.sum(final * w_last)
+            return value, (y, final)
+
+        return jax.jit(jax.value_and_grad(loss, range(6), has_aux=True))
+
+    # one `h0` per device, the first the sequence's
+    h0s = x["h0"][None] + np.arange(D)[:, None, None, None]
+    last = lambda *a: (lambda y, finals: (y, finals[-1]))(*split(*a))
+    args = (x["q"], x["k"], x["v"], x["beta"], x["g"])
+    (_, (y, final)), grads = program(last)(*args, h0s)
+    (_, (y1, final1)), grads1 = program(ft.partial(call, ONE))(*args, x["h0"])
+    nan = np.zeros(y1.shape, bool)
+    nan[3:12, 1, 0] = True
+    np.testing.assert_array_equal(np.isnan(y1), nan)
+    _assert_close((y, final), (y1, final1))
+    for g, g1 in zip(grads[:5], grads1[:5]):
+        assert np.isfinite(g1).all()
+        _assert_close(g, g1)
+    _assert_close(grads[5][0], grads1[5])
+    _assert_close(grads[5][1:], np.zeros((D - 1, *x["h0"].shape)))
+
+
+@pytest.mark.usefixtures("unchecked_annotations")
+def test_delta_rule_scan_bad_scan():
+    q, v, beta = np.ones((4, 1, 2)), np.ones((4, 1, 2)), np.ones((4, 1))
+    for scan in ("sequential", eqx_seq.SequentialScan):
+        with pytest.raises(ValueError, match="must be an `eqx_seq.AbstractScan`"):
+            eqx_seq.delta_rule_scan(q, q, v, beta, scan=scan)

@@ -16,16 +16,22 @@ so `u = U - W S_in` with `[W | U] = (I + A)^{-1} [beta e^b K | beta V]`, and
 
 `K~ = e^{b_C - b} K`. A chunk is an affine map of its entering state with a dense
 `dk x dk` part: the pass between chunks carries `S` and applies it in factored
-form (`_carry`), never forming the map. A reset (a segment start) is a zero gate:
-its masks, never `g = -inf` (whose differences are NaN), keep segments apart:
-`Gamma` is zero across them, `e^b` after the chunk's first reset, `K~` outside its
-last segment and `e^{b_C}` in a chunk that holds one. The derivation is in
+form (`_carry`), never forming the map. On a time axis split over devices each
+device forms its block's map once, by running its chunks on the augmented state
+`[S | I]` (`_block_map`), for the exchange that gives it its entering state.
+
+A reset (a segment start) is a zero gate: its masks, never `g = -inf` (whose
+differences are NaN), keep segments apart: `Gamma` is zero across them, `e^b`
+after the chunk's first reset, `K~` outside its last segment and `e^{b_C}` in a
+chunk that holds one (so its map's matrix part is zero). The derivation is in
 `docs/devdocs/delta-rule.md`.
 
 Arrays are head-major inside this module, query and key heads split by group,
 `H = G * R`: `q`, `k` `(K, G, C, dk)`, `v` `(K, G, R, C, dv)`, `beta`, `g`
 `(K, G, R, C)`, `segment` `(K, C)`: the resets counted from each chunk's start.
 """
+
+import functools as ft
 
 import jax
 import jax.lax as lax
@@ -128,13 +134,31 @@ def _carry(S, piece):
     return S_out, (S, u)
 
 
-def chunked(q, k, v, beta, g, segment, S0):
+def _block_map(pieces, start):
+    """The block's map `S -> M S + N` (`M` `(G, R, dk, dk)`) and its last state from
+    `start`, by one pass over its chunks on the augmented state `[start | I]`: the
+    identity columns, which get no updates (`U` padded with zeros), come out as
+    `M`, the product of the chunks' matrix parts, in the same factored form."""
+    W, U, K_tilde, decay = pieces
+    dk, dv = W.shape[-1], U.shape[-1]
+    eye = jnp.broadcast_to(jnp.eye(dk, dtype=start.dtype), (*start.shape[:-1], dk))
+    U = jnp.concatenate([U, jnp.zeros((*U.shape[:-1], dk), U.dtype)], axis=-1)
+    step = jax.checkpoint(lambda S, piece: (_carry(S, piece)[0], None))
+    last, _ = lax.scan(step, jnp.concatenate([start, eye], -1), (W, U, K_tilde, decay))
+    return last[..., dv:], last[..., :dv]
+
+
+def chunked(q, k, v, beta, g, segment, S0, scan):
     """The outputs `(K, G, R, C, dv)` and the final state `(G, R, dk, dv)` from the
-    entering state `S0`. The pass between chunks keeps one state per chunk for the
-    backward pass (`jax.checkpoint` recomputes a chunk's updates), never one per
-    step."""
+    state `S0` before the sequence. The pass between chunks keeps one state per
+    chunk for the backward pass (`jax.checkpoint` recomputes a chunk's updates),
+    never one per step. On a time axis split over devices (`scan`), it starts from
+    the state entering this device's block, from the blocks' maps
+    (`carry_matrix_into_block`); on one device from `S0`."""
     W, U, K_tilde, decay, P, entry = jax.vmap(chunk_pieces)(q, k, v, beta, g, segment)
-    final, (S_in, u) = lax.scan(jax.checkpoint(_carry), S0, (W, U, K_tilde, decay))
+    pieces = (W, U, K_tilde, decay)
+    S0 = scan.carry_matrix_into_block(ft.partial(_block_map, pieces), S0)
+    final, (S_in, u) = lax.scan(jax.checkpoint(_carry), S0, pieces)
     read = jnp.einsum("kgcd,kgrde->kgrce", q, S_in)
     O = entry[..., None] * read + jnp.einsum("kgrst,kgrte->kgrse", P, u)
     return O, final

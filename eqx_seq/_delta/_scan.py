@@ -8,9 +8,15 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike, Bool, Float
 
-from .._misc import check_bool, check_positive_int, check_real, check_reset
+from .._misc import (
+    check_bool,
+    check_positive_int,
+    check_real,
+    check_reset,
+    vary_like,
+)
 from .._recurrence import linear_recurrence
-from .._scan import SequentialScan
+from .._scan import AbstractScan, AutoScan, check_scan
 from .._ssm._packing import (
     count_last,
     finite,
@@ -23,10 +29,6 @@ from .._ssm._packing import (
 )
 from .._ssm._ssd_checks import checked_arrays, compute_dtype
 from ._chunk import chunked
-
-
-# the pass between chunks and the counts of non-finite inputs carried along it
-_SCAN = SequentialScan()
 
 
 def _unit(x: Array) -> Array:
@@ -92,7 +94,7 @@ def _prepare(name: str, given: dict, required: tuple, time: tuple, scale, normal
 
 
 @eqx.filter_jit
-def _run(chunk, q, k, v, beta, g, h0, reset, scale, normalize):
+def _run(scan, chunk, q, k, v, beta, g, h0, reset, scale, normalize):
     T, G, dk = q.shape
     _, H, dv = v.shape
     R = H // G
@@ -107,6 +109,9 @@ def _run(chunk, q, k, v, beta, g, h0, reset, scale, normalize):
     g, bad_g = finite(g)
     h0 = jnp.zeros((H, dk, dv), q.dtype) if h0 is None else h0
     h0, bad_h0 = finite(h0)
+    # under `jax.shard_map`, a shared `h0` meets per-device data in the carries and
+    # in `link`'s rule, whose types must match
+    h0 = vary_like(h0, q, k, v, beta, g)
     bad_step = heads(jnp.any(bad_k, axis=-1)) | bad_beta | bad_g  # (T, H)
     bad_state = (bad_v | bad_step[..., None]).reshape(T, H * dv)
     bad_y = heads(jnp.any(bad_q, axis=-1))[..., None]  # (T, H, 1)
@@ -133,6 +138,7 @@ def _run(chunk, q, k, v, beta, g, h0, reset, scale, normalize):
         chunks(g.reshape(T, G, R), G, R),
         segment,
         h0.reshape(G, R, dk, dv),
+        scan,
     )
     y = jnp.moveaxis(y, 3, 1).reshape(K * chunk, H, dv)[:T]
     final = final.reshape(H, dk, dv)
@@ -143,11 +149,11 @@ def _run(chunk, q, k, v, beta, g, h0, reset, scale, normalize):
     met = met_within(bad, resets)  # (K, C, H * dv)
     keep = jnp.broadcast_to(keeps(resets, K, q.dtype)[:, None], (K, H * dv))
     start = jnp.any(bad_h0, axis=1).reshape(H * dv).astype(q.dtype)
-    carried = linear_recurrence(keep, count_last(bad, resets), start, scan=_SCAN)
-    entering = _SCAN.shift(carried, start) > 0
+    carried = linear_recurrence(keep, count_last(bad, resets), start, scan=scan)
+    entering = scan.shift(carried, start) > 0
     met = met | (entering[:, None] & reads(resets, K, chunk)[..., None])
     met = met.reshape(K * chunk, H, dv)[:T]
-    to_y, to_final = link(_SCAN, chunks(per_step), chunks(per_output), resets, h0_link)
+    to_y, to_final = link(scan, chunks(per_step), chunks(per_output), resets, h0_link)
     y = finite_cotangent(y) + to_y.reshape(K * chunk, H, dv)[:T]
     y = jnp.where(bad_y | met, jnp.nan, y)
     final = finite_cotangent(final) + to_final.reshape(H, 1, dv)
@@ -166,6 +172,7 @@ def delta_rule_scan(
     scale: float | None = None,
     normalize_qk: bool = False,
     chunk_size: int = 64,
+    scan: AbstractScan = AutoScan(),
     return_final_state: bool = False,
 ) -> Float[Array, "T H dv"] | tuple[Float[Array, "T H dv"], Float[Array, "H dk dv"]]:
     r"""The gated delta rule (DeltaNet, Gated DeltaNet): a recurrence on one matrix
@@ -189,7 +196,10 @@ def delta_rule_scan(
     gate-weighted `C x C` matrices, through one unit lower-triangular solve per
     chunk and head (the WY representation's UT transform; a solve, not a series,
     so that $\beta$ up to 2 stays accurate); between chunks the state is carried
-    by each chunk's map in factored form. The `(T, H, dk, dv)` states are never
+    by each chunk's map in factored form, sequentially (on a time axis split over
+    devices, [`eqx_seq.ShardedScan`][], each device's block reduces to one affine
+    map of its entering state, the devices exchange those, and each runs its
+    chunks from its entering state). The `(T, H, dk, dv)` states are never
     formed: the gradient keeps one state per chunk (and each chunk's `C x C`
     weights), never one per step, so its memory is
     `O(T H (dk + dv + C) + (T / C) H dk dv)`. Differentiable in
@@ -217,12 +227,17 @@ def delta_rule_scan(
     - `normalize_qk`: divide `q` and `k` by their L2 norms first (with `1e-6`
         added to the squared norm, as the field's kernels do).
     - `chunk_size`: the steps per chunk (`T` need not be a multiple of it).
+    - `scan`: the backend of the pass between chunks, an [`eqx_seq.AbstractScan`][].
+        The state's pass is a loop on every backend (each chunk's map is dense:
+        no diagonal recurrence carries it); with [`eqx_seq.ShardedScan`][] the
+        time axis is split over devices (only the first device's `h0` is used).
     - `return_final_state`: also return the state after the last step.
 
     **Returns:**
 
     The outputs `o`, shape `(T, H, dv)`; `(o, final_state)` with `final_state` of
-    shape `(H, dk, dv)` if `return_final_state`. In the inputs' floating dtype
+    shape `(H, dk, dv)` if `return_final_state` (under [`eqx_seq.ShardedScan`][],
+    the last device's is the whole sequence's). In the inputs' floating dtype
     (half precision is computed in float32 and cast back).
 
     **Raises:**
@@ -230,7 +245,8 @@ def delta_rule_scan(
     `ValueError` for a required array given as `None`, shapes that do not fit
     together, an axis of size zero, heads of `q` that do not divide those of `v`,
     non-floating arrays, a `reset` that is not `(T,)` bools, a bad `scale` or
-    `chunk_size`, or flags that are not bools.
+    `chunk_size`, flags that are not bools, or a `scan` that is not an
+    [`eqx_seq.AbstractScan`][].
 
     !!! Example
 
@@ -251,6 +267,7 @@ def delta_rule_scan(
     """
     name = "eqx_seq.delta_rule_scan"
     check_positive_int("chunk_size", chunk_size)
+    chosen = check_scan(scan, name=name, splits_time=True)
     check_bool("return_final_state", return_final_state)
     given = dict(q=q, k=k, v=v, beta=beta, g=g, h0=h0)
     arrays, dtype, scale, normalize = _prepare(
@@ -258,6 +275,7 @@ def delta_rule_scan(
     )
     T = arrays["q"].shape[0]
     o, final = _run(
+        chosen,
         min(chunk_size, T),
         arrays["q"],
         arrays["k"],

@@ -5,10 +5,12 @@ argument (the lineax/diffrax pattern). `AbstractScan` declares everything a laye
 reads from one, and nothing else is read: the primal recurrence, which family of
 algorithms a layer runs with it (`parallel`), the loop unroll of those algorithms,
 the pytree scan of the parallel ones, and the layout of the time axis (`splits_time`
-and the collectives that make a layer the same on one device or several). The
-one-device layout is implemented once (`AbstractLocalScan`), the split one in
-`ShardedScan`. Derivatives are defined once, for every backend, in
-`eqx_seq.linear_recurrence`.
+and the collectives that make a layer the same on one device or several: among
+them the state entering a block of a recurrence that a layer runs itself, carried
+by affine maps that are diagonal, `carry_into_block`, or have a dense matrix part,
+`carry_matrix_into_block`). The one-device layout is implemented once
+(`AbstractLocalScan`), the split one in `ShardedScan`. Derivatives are defined once,
+for every backend, in `eqx_seq.linear_recurrence`.
 """
 
 import abc
@@ -70,8 +72,9 @@ class AbstractScan(eqx.Module):
     A layer reads a backend only through what is declared here. `parallel` picks the
     family of algorithms of a layer that runs its own ([`eqx_seq.KalmanFilter`][],
     [`eqx_seq.tridiagonal_solve`][], [`eqx_seq.selective_scan`][]); `splits_time`
-    and the methods `shift`, `halo`, `sum_over_blocks` and `carry_into_block` are
-    the layout of the time axis, one block on one device or one block per device.
+    and the methods `shift`, `halo`, `sum_over_blocks`, `carry_into_block` and
+    `carry_matrix_into_block` are the layout of the time axis, one block on one
+    device or one block per device.
 
     What each backend declares:
 
@@ -265,6 +268,44 @@ class AbstractScan(eqx.Module):
         """
 
     @abc.abstractmethod
+    def carry_matrix_into_block(
+        self,
+        block_map: Callable[[Array], tuple[Array, Array]],
+        h0: Inexact[Array, "*B d e"],
+        *,
+        reverse: bool = False,
+    ) -> Inexact[Array, "*B d e"]:
+        """The state entering this block of a recurrence on matrix states that the
+        caller runs itself, each block of which is an affine map `S -> M @ S + N`
+        with a dense `d x d` part `M` (as the delta rule's chunks are): the same
+        layout as `carry_into_block`, for maps that are not diagonal.
+
+        On one device the block is the whole sequence, so this is `h0`, and
+        `block_map` is not called. On a time axis split over devices, each device
+        computes its block's map (only the first device in run order from `h0`,
+        the others from zero, so that the first map carries `h0` to every later
+        block); the devices exchange those maps and compose the ones before them
+        into their initial state. The maps compose by matrix products, so the
+        states and maps must be finite (a product does not forget a NaN as a zero
+        decay does in `carry_into_block`).
+
+        **Arguments:**
+
+        - `block_map`: `start -> (M, S)`, this block's map: its matrix part `M`,
+            shape `(*B, d, d)`, and its last state (in run order) from the state
+            `start`, shaped like `h0`. A caller computes both in one pass by running
+            its block on the augmented state `[start | I]`, whose identity columns
+            the block's inputs do not reach.
+        - `h0`: the state before the whole sequence (before its last step with
+            `reverse`), shape `(*B, d, e)`: `*B` batch axes of `d x e` states.
+        - `reverse`: the recurrence runs from the last step to the first.
+
+        **Returns:**
+
+        The state before this block's first step in run order, shaped like `h0`.
+        """
+
+    @abc.abstractmethod
     def block_scan(self) -> "AbstractScan":
         """The backend that runs one block of the time axis: `self` where the whole
         sequence is one block; on a split axis, the backend of each device's block
@@ -276,7 +317,8 @@ class AbstractLocalScan(AbstractScan):
     """Abstract base class for the backends of one device, on which the whole
     sequence is one block (`splits_time = False`). It implements the layout:
     `select` and `block_scan` return `self`, `shift` shifts the array, `halo` is
-    its `fill`, `sum_over_blocks` and `carry_into_block` are the identity, and
+    its `fill`, `sum_over_blocks`, `carry_into_block` and `carry_matrix_into_block`
+    are the identity, and
     `associative_scan` combines one element after another (a parallel backend
     implements its own).
 
@@ -328,6 +370,15 @@ class AbstractLocalScan(AbstractScan):
         *,
         reverse: bool = False,
     ) -> Inexact[Array, "*S"]:
+        return h0
+
+    def carry_matrix_into_block(
+        self,
+        block_map: Callable[[Array], tuple[Array, Array]],
+        h0: Inexact[Array, "*B d e"],
+        *,
+        reverse: bool = False,
+    ) -> Inexact[Array, "*B d e"]:
         return h0
 
 

@@ -242,5 +242,14 @@ class AutoScan(AbstractScan):
     ) -> Inexact[Array, "*S"]:
         return self.select().carry_into_block(block_map, h0, reverse=reverse)
 
+    def carry_matrix_into_block(
+        self,
+        block_map: Callable[[Array], tuple[Array, Array]],
+        h0: Inexact[Array, "*B d e"],
+        *,
+        reverse: bool = False,
+    ) -> Inexact[Array, "*B d e"]:
+        return self.select().carry_matrix_into_block(block_map, h0, reverse=reverse)
+
     def block_scan(self) -> AbstractScan:
         return self.select().block_scan()

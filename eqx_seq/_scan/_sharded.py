@@ -10,12 +10,15 @@ there. The adjoint is the same recurrence backwards in time, so
 `eqx_seq.linear_recurrence`'s derivatives run this backend too; the one step that
 crosses a block boundary (`shift`) is passed between neighbours, as are the steps a
 causal convolution reads before a block (`halo`). The selective scan exchanges its
-blocks' maps with the same `carry_into_block`. See
+blocks' maps with the same `carry_into_block`. The delta rule's state is carried by
+maps with a dense matrix part, `S -> M @ S + N` (`carry_matrix_into_block`): the
+same exchanges, given the algebra of those maps (`_Maps`: identity, composition,
+application), so that one exchange code serves both. See
 `docs/devdocs/sequence-parallel.md`.
 """
 
 from collections.abc import Callable
-from typing import ClassVar
+from typing import ClassVar, NamedTuple
 
 import equinox as eqx
 import jax
@@ -83,8 +86,53 @@ def _block_map(
     return lax.fori_loop(0, num_steps, step, (prod, h0))
 
 
-def _identity(block: tuple[Array, Array]) -> tuple[Array, Array]:
-    return jnp.ones_like(block[0]), jnp.zeros_like(block[1])
+class _Maps(NamedTuple):
+    """A family of affine maps as the exchanges use them: a map is a pair of
+    arrays, composed, applied to a state, and packed into one array (one message
+    per round of the `ppermute` scan)."""
+
+    identity: Callable[[tuple[Array, Array]], tuple[Array, Array]]
+    compose: Callable  # (earlier, later) -> the map of first earlier, then later
+    apply: Callable[[tuple[Array, Array], Array], Array]
+    pack: Callable[[tuple[Array, Array]], Array]
+    unpack: Callable[[Array], tuple[Array, Array]]
+
+
+# `h -> A * h + H`, a decay per state entry: `carry_into_block`
+_DIAGONAL = _Maps(
+    identity=lambda block: (jnp.ones_like(block[0]), jnp.zeros_like(block[1])),
+    compose=compose,
+    apply=lambda map_, h: decayed(map_[0], h) + map_[1],
+    # `A` and `H` travel as one array
+    pack=lambda block: jnp.stack(jnp.broadcast_arrays(*block)),
+    unpack=tuple,
+)
+
+
+def _matrix_compose(earlier, later):
+    """The maps `S -> M @ S + N` composed: first `earlier`, then `later`."""
+    (M_e, N_e), (M_l, N_l) = earlier, later
+    return M_l @ M_e, M_l @ N_e + N_l
+
+
+# `S -> M @ S + N`, `M` `(*B, d, d)` and states `(*B, d, e)`: `carry_matrix_into_block`
+_MATRIX = _Maps(
+    # typed like the block's map under `jax.shard_map` (varying over the mesh), as
+    # `ones_like` makes the diagonal one: the `where`s that select it transpose only
+    # between equal types
+    identity=lambda block: (
+        jnp.zeros_like(block[0])
+        + jnp.broadcast_to(
+            jnp.eye(block[0].shape[-1], dtype=block[0].dtype), block[0].shape
+        ),
+        jnp.zeros_like(block[1]),
+    ),
+    compose=_matrix_compose,
+    apply=lambda map_, S: map_[0] @ S + map_[1],
+    # `M` and `N` travel as one array, `[M | N]` `(*B, d, d + e)`
+    pack=lambda block: jnp.concatenate(block, axis=-1),
+    unpack=lambda x: (x[..., : x.shape[-2]], x[..., x.shape[-2] :]),
+)
 
 
 def _tree_where(cond: Array, x, y):
@@ -92,6 +140,7 @@ def _tree_where(cond: Array, x, y):
 
 
 def _before_by_gather(
+    maps: _Maps,
     block: tuple[Array, Array],
     axis_name: str,
     num_devices: int,
@@ -101,16 +150,17 @@ def _before_by_gather(
 ) -> tuple[Array, Array]:
     """The composed map of the blocks before this one in run order, from one
     `all_gather` of every block's map (`D` small steps, replicated)."""
-    maps = lax.all_gather(block, axis_name)
-    prefix = _identity(block)
+    gathered = lax.all_gather(block, axis_name)
+    prefix = maps.identity(block)
     for j in range(num_devices - 1, -1, -1) if reverse else range(num_devices):
         before = (j > index) if reverse else (j < index)
-        composed = compose(prefix, (maps[0][j], maps[1][j]))
+        composed = maps.compose(prefix, (gathered[0][j], gathered[1][j]))
         prefix = _tree_where(before, composed, prefix)
     return prefix
 
 
 def _before_by_ppermute(
+    maps: _Maps,
     block: tuple[Array, Array],
     axis_name: str,
     num_devices: int,
@@ -122,9 +172,9 @@ def _before_by_ppermute(
     Hillis-Steele scan over the devices: in round `k` each device receives the map
     that covers the `2^k` blocks ending `2^k` before it and composes it before its
     own (and before the exclusive prefix that it keeps beside it)."""
-    # `A` and `H` travel as one array: one message per round, the rounds being a
-    # chain of dependent messages
-    covered, prefix = jnp.stack(jnp.broadcast_arrays(*block)), _identity(block)
+    # a map travels packed: one message per round, the rounds being a chain of
+    # dependent messages
+    covered, prefix = maps.pack(block), maps.identity(block)
     distance = 1
     while distance < num_devices:
         senders = range(num_devices - distance)
@@ -135,9 +185,9 @@ def _before_by_ppermute(
             pairs = [(i, i + distance) for i in senders]
             receives = index >= distance
         # devices that no one sends to receive zeros: they keep what they have
-        received = tuple(lax.ppermute(covered, axis_name, pairs))
-        prefix = _tree_where(receives, compose(received, prefix), prefix)
-        composed = jnp.stack(compose(received, tuple(covered)))
+        received = maps.unpack(lax.ppermute(covered, axis_name, pairs))
+        prefix = _tree_where(receives, maps.compose(received, prefix), prefix)
+        composed = maps.pack(maps.compose(received, maps.unpack(covered)))
         covered = jnp.where(receives, composed, covered)
         distance *= 2
     return prefix
@@ -233,6 +283,18 @@ class ShardedScan(AbstractScan):
         *,
         reverse: bool = False,
     ) -> Inexact[Array, "*S"]:
+        return self._carry(_DIAGONAL, block_map, h0, reverse)
+
+    def carry_matrix_into_block(
+        self,
+        block_map: Callable[[Array], tuple[Array, Array]],
+        h0: Inexact[Array, "*B d e"],
+        *,
+        reverse: bool = False,
+    ) -> Inexact[Array, "*B d e"]:
+        return self._carry(_MATRIX, block_map, h0, reverse)
+
+    def _carry(self, maps: _Maps, block_map: Callable, h0: Array, reverse: bool):
         # Only the first block in run order starts from `h0`, the others from zero:
         # the first block's map then carries `h0` to every later block.
         num_devices, index = mesh_axis(self.axis_name)
@@ -240,8 +302,10 @@ class ShardedScan(AbstractScan):
         start = jnp.where(index == first, h0, jnp.zeros_like(h0))
         block = block_map(start)
         exchange = _EXCHANGES[self.exchange]
-        before = exchange(block, self.axis_name, num_devices, index, reverse=reverse)
-        return decayed(before[0], start) + before[1]
+        before = exchange(
+            maps, block, self.axis_name, num_devices, index, reverse=reverse
+        )
+        return maps.apply(before, start)
 
     def associative_scan(
         self, fn: Callable, elems: PyTree[Array], *, reverse: bool = False
