@@ -293,6 +293,17 @@ LAYERS = {
     "mamba2": lambda scan, key: eqx_seq.Mamba2(
         4, state_size=3, head_dim=4, ngroups=2, chunk_size=4, scan=scan, key=key
     ),
+    # one key head over two value heads, chunks that do not divide a block
+    "gated_deltanet": lambda scan, key: eqx_seq.GatedDeltaNet(
+        4,
+        num_heads=1,
+        head_dim=2,
+        num_v_heads=2,
+        conv_size=3,
+        chunk_size=4,
+        scan=scan,
+        key=key,
+    ),  # fmt: skip
 }
 
 
@@ -346,14 +357,15 @@ def test_layers(name, reset):
     _assert_close(g_split, g_one, max_abs=1e-10)
 
 
-# slow tier: Hawk and Mamba-2, whose convolution and recurrence states cross a split
-# as Mamba's do
+# slow tier: Hawk, Mamba-2 and Gated DeltaNet, whose convolution and recurrence states
+# cross a split as Mamba's do
 @pytest.mark.parametrize(
     "name",
     [
         "mamba",
         pytest.param("hawk", marks=pytest.mark.slow),
         pytest.param("mamba2", marks=pytest.mark.slow),
+        pytest.param("gated_deltanet", marks=pytest.mark.slow),
     ],
 )
 def test_initial_and_final_state(name):
