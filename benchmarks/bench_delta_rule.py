@@ -26,6 +26,7 @@ import argparse
 import functools as ft
 import time
 
+import equinox as eqx
 import jax
 
 
@@ -157,6 +158,39 @@ def run_split(x, args) -> dict:
     }  # fmt: skip
 
 
+def run_layers(args) -> dict:
+    """`GatedDeltaNet` against `Mamba2` at equal state (`2 width state` per layer:
+    `width / state` heads of `state` key and `2 state` value channels, against
+    `2 width / 64` heads of 64 channels and `state` states), each's forward and
+    gradient (with respect to the input and every parameter, of the outputs' mean
+    square) in one program."""
+    T, width, state = (256, 32, 16) if args.quick else (4096, 256, 64)
+    x = jr.normal(jr.key(1), (T, width), jnp.float32)
+    layers = {
+        "GatedDeltaNet": eqx_seq.GatedDeltaNet(
+            width, num_heads=width // state, head_dim=state, chunk_size=args.chunk,
+            dtype=jnp.float32, key=jr.key(0),
+        ),
+        "Mamba2": eqx_seq.Mamba2(
+            width, state_size=state, head_dim=min(64, 2 * width),
+            chunk_size=args.chunk, dtype=jnp.float32, key=jr.key(0),
+        ),
+    }  # fmt: skip
+    programs, cost = {}, {}
+    for name, layer in layers.items():
+        params, static = eqx.partition(layer, eqx.is_inexact_array)
+        loss = lambda p, x, static=static: jnp.mean(eqx.combine(p, static)(x) ** 2)
+        compiled, cost[name] = compile_one(
+            jax.value_and_grad(loss, (0, 1)), (params, x)
+        )
+        programs[name] = (compiled, (params, x))
+    timed = measure_many(programs, repeats=args.repeats, min_time=0.05)
+    return {
+        "T": T, "width": width, "state": state, "chunk": args.chunk,
+        "programs": {n: {**cost[n], **timed[n]} for n in programs},
+    }  # fmt: skip
+
+
 def run(args) -> dict:
     quick = args.quick
     H, d = (2, 16) if quick else (4, 64)
@@ -189,7 +223,12 @@ def run(args) -> dict:
         )  # fmt: skip
     print(f"measuring: T={lengths[-1]} split over two devices")
     split = run_split(x, args)
-    return {"machine": machine(), "quick": quick, "rows": rows, "split": split}
+    print("measuring: the GatedDeltaNet layer against Mamba2 at equal state")
+    layers = run_layers(args)
+    return {
+        "machine": machine(), "quick": quick, "rows": rows, "split": split,
+        "layers": layers,
+    }  # fmt: skip
 
 
 def headline(payload) -> str:
@@ -214,6 +253,18 @@ def headline(payload) -> str:
         )
         + " the plain scan's"
         + _split_headline(payload)
+        + _layers_headline(payload)
+    )
+
+
+def _layers_headline(payload) -> str:
+    if "layers" not in payload:
+        return ""
+    p = payload["layers"]["programs"]
+    ratio = div(p["GatedDeltaNet"]["median_ms"], p["Mamba2"]["median_ms"])
+    return (
+        f"; the `GatedDeltaNet` layer's forward + gradient {times(ratio)} "
+        "`Mamba2`'s time at equal state"
     )
 
 
@@ -275,6 +326,33 @@ def tables(payload) -> list[str]:
             left=2,
         )
         + _split_tables(payload)
+        + _layers_tables(payload)
+    )
+
+
+def _layers_tables(payload) -> list[str]:
+    if "layers" not in payload:
+        return []
+    L = payload["layers"]
+    p = L["programs"]
+    rows = [
+        [
+            name,
+            ms(p[name]["median_ms"]),
+            times(div(p[name]["median_ms"], p["Mamba2"]["median_ms"])),
+            f"{p[name]['peak_mib']:.1f}",
+            f"{p[name]['lower_s']:.2f} + {p[name]['compile_s']:.2f}",
+            str(p[name]["hlo"]),
+        ]
+        for name in ("GatedDeltaNet", "Mamba2")
+    ]
+    return [
+        f"The layers at equal state, T = {L['T']}, width {L['width']}, "
+        f"{2 * L['width'] * L['state']} states per layer, chunks of {L['chunk']}: "
+        "forward + gradient (input and parameters) in one program.",
+        "",
+    ] + table(
+        "layer | fwd + grad ms | / Mamba2 | peak MiB | lower + compile s | HLO", rows
     )
 
 
