@@ -2,7 +2,6 @@
 convolution, the gated delta rule (`delta_rule_scan`), a gated RMS norm per value
 head."""
 
-import math
 from collections.abc import Sequence
 from typing import ClassVar, Literal
 
@@ -18,7 +17,6 @@ from .._misc import (
     check_parameter_dtype,
     check_positive_int,
     check_real,
-    check_reals,
     check_reset,
     check_sequence,
     check_state_parts,
@@ -27,6 +25,7 @@ from .._misc import (
 from .._scan import AbstractScan, AutoScan, check_scan
 from .._ssm._conv import CausalConv
 from .._ssm._mamba import linear_weight
+from .._ssm._mamba2 import check_decay_init, init_decays
 from .._ssm._mamba_block import AbstractMixerBlock
 from .._ssm._recurrent import AbstractRecurrentLayer
 from ._scan import delta_rule_scan, delta_rule_step
@@ -156,21 +155,7 @@ class GatedDeltaNet(AbstractRecurrentLayer):
                 f"head serves num_v_heads / num_heads value heads), got "
                 f"num_heads={num_heads}, num_v_heads={num_v_heads}."
             )
-        lo, hi = check_reals(
-            "A_init_range", A_init_range, ("low", "high"), positive=True
-        )
-        if not lo <= hi:
-            raise ValueError(
-                f"`A_init_range` must be (low, high) with low <= high, got "
-                f"{A_init_range!r}."
-            )
-        dt_min = check_real("dt_min", dt_min, positive=True)
-        dt_max = check_real("dt_max", dt_max, positive=True)
-        if not dt_min < dt_max:
-            raise ValueError(
-                f"Need dt_min < dt_max, got dt_min={dt_min}, dt_max={dt_max}."
-            )
-        dt_init_floor = check_real("dt_init_floor", dt_init_floor, nonnegative=True)
+        ranges = check_decay_init(A_init_range, dt_min, dt_max, dt_init_floor)
         norm_eps = check_real("norm_eps", norm_eps, positive=True)
         check_scan(scan, name="eqx_seq.GatedDeltaNet", splits_time=True)
         dtype = check_parameter_dtype("GatedDeltaNet", dtype)
@@ -182,19 +167,7 @@ class GatedDeltaNet(AbstractRecurrentLayer):
         self.conv = CausalConv(
             conv_channels, conv_size, use_bias=False, dtype=dtype, key=ckey
         )
-        # the step size starts at softplus(dt_bias): dt_bias is its inverse softplus
-        log_dt = jr.uniform(
-            dkey,
-            (num_v_heads,),
-            dtype,
-            minval=math.log(dt_min),
-            maxval=math.log(dt_max),
-        )
-        dt = jnp.maximum(jnp.exp(log_dt), dt_init_floor)
-        self.dt_bias = dt + jnp.log(-jnp.expm1(-dt))
-        self.A_log = jnp.log(
-            jr.uniform(akey, (num_v_heads,), dtype, minval=lo, maxval=hi)
-        )
+        self.A_log, self.dt_bias = init_decays(dkey, akey, num_v_heads, ranges, dtype)
         self.norm_weight = jnp.ones(dv, dtype)
         self.out_proj = linear_weight(okey, num_v_heads * dv, input_size, dtype)
         self.input_size = input_size

@@ -30,6 +30,46 @@ from ._ssd import ssd_scan, ssd_step
 from ._ssd_checks import check_dt_limit
 
 
+def check_decay_init(
+    A_init_range: object, dt_min: object, dt_max: object, dt_init_floor: object
+) -> tuple[float, float, float, float, float]:
+    """The initialisation of Mamba-2's decays (and Gated DeltaNet's gates),
+    checked: `(low, high, dt_min, dt_max, dt_init_floor)`."""
+    lo, hi = check_reals("A_init_range", A_init_range, ("low", "high"), positive=True)
+    if not lo <= hi:
+        raise ValueError(
+            f"`A_init_range` must be (low, high) with low <= high, got "
+            f"{A_init_range!r}."
+        )
+    dt_min = check_real("dt_min", dt_min, positive=True)
+    dt_max = check_real("dt_max", dt_max, positive=True)
+    if not dt_min < dt_max:
+        raise ValueError(f"Need dt_min < dt_max, got dt_min={dt_min}, dt_max={dt_max}.")
+    return (
+        lo,
+        hi,
+        dt_min,
+        dt_max,
+        check_real("dt_init_floor", dt_init_floor, nonnegative=True),
+    )
+
+
+def init_decays(
+    dt_key: PRNGKeyArray, A_key: PRNGKeyArray, heads: int, ranges: tuple, dtype
+) -> tuple[Float[Array, " heads"], Float[Array, " heads"]]:
+    """`(A_log, dt_bias)` from the checked `ranges`: `exp(A_log)` uniform in
+    `[low, high]`, the step size `softplus(dt_bias)` log-uniform in
+    `[dt_min, dt_max]` and at least `dt_init_floor` (`dt_bias` is its inverse
+    softplus)."""
+    lo, hi, dt_min, dt_max, floor = ranges
+    log_dt = jr.uniform(
+        dt_key, (heads,), dtype, minval=math.log(dt_min), maxval=math.log(dt_max)
+    )
+    dt = jnp.maximum(jnp.exp(log_dt), floor)
+    A_log = jnp.log(jr.uniform(A_key, (heads,), dtype, minval=lo, maxval=hi))
+    return A_log, dt + jnp.log(-jnp.expm1(-dt))
+
+
 # The state of `Mamba2` and `Mamba2Block`: the convolution's last `conv_size - 1`
 # inputs (of `x`, `B` and `C` together) and the scan's state per head.
 Mamba2State = TypeAliasType(
@@ -160,21 +200,7 @@ class Mamba2(AbstractRecurrentLayer):
                 f"`ngroups` must divide the {heads} heads (E / head_dim = {E} / "
                 f"{head_dim}), got ngroups={ngroups}."
             )
-        lo, hi = check_reals(
-            "A_init_range", A_init_range, ("low", "high"), positive=True
-        )
-        if not lo <= hi:
-            raise ValueError(
-                f"`A_init_range` must be (low, high) with low <= high, got "
-                f"{A_init_range!r}."
-            )
-        dt_min = check_real("dt_min", dt_min, positive=True)
-        dt_max = check_real("dt_max", dt_max, positive=True)
-        if not dt_min < dt_max:
-            raise ValueError(
-                f"Need dt_min < dt_max, got dt_min={dt_min}, dt_max={dt_max}."
-            )
-        dt_init_floor = check_real("dt_init_floor", dt_init_floor, nonnegative=True)
+        ranges = check_decay_init(A_init_range, dt_min, dt_max, dt_init_floor)
         norm_eps = check_real("norm_eps", norm_eps, positive=True)
         dt_limit = check_dt_limit("eqx_seq.Mamba2", dt_limit)
         check_scan(scan, name="eqx_seq.Mamba2", splits_time=True)
@@ -183,13 +209,7 @@ class Mamba2(AbstractRecurrentLayer):
         ikey, ckey, dkey, akey, okey = jr.split(key, 5)
         self.in_proj = linear_weight(ikey, input_size, 2 * E + 2 * GN + heads, dtype)
         self.conv = CausalConv(E + 2 * GN, conv_size, dtype=dtype, key=ckey)
-        # the step size starts at softplus(dt_bias): dt_bias is its inverse softplus
-        log_dt = jr.uniform(
-            dkey, (heads,), dtype, minval=math.log(dt_min), maxval=math.log(dt_max)
-        )
-        dt = jnp.maximum(jnp.exp(log_dt), dt_init_floor)
-        self.dt_bias = dt + jnp.log(-jnp.expm1(-dt))
-        self.A_log = jnp.log(jr.uniform(akey, (heads,), dtype, minval=lo, maxval=hi))
+        self.A_log, self.dt_bias = init_decays(dkey, akey, heads, ranges, dtype)
         self.D = jnp.ones(heads, dtype)
         self.norm_weight = jnp.ones(E, dtype)
         self.out_proj = linear_weight(okey, E, input_size, dtype)

@@ -13,8 +13,8 @@ and in the backward. So the chunks only ever meet finite values:
   layers after it, e.g. a convolution's backward over a bad step). What a
   non-finite one means reaches the derivatives through a link instead: zero in
   value, a sum of the inputs over the steps each output depends on, computed by
-  selection (`segment_sums`, a running sum), whose transpose gives those inputs a NaN derivative,
-  as autodiff through the recurrent form would, and nothing else.
+  selection (`segment_sums`, a running sum), whose transpose gives those inputs a
+  NaN derivative, as autodiff through the recurrent form would, and nothing else.
 
 The derivation is in `docs/devdocs/ssd.md`.
 """
