@@ -5,12 +5,15 @@ a random order, and at each the model must output the value that followed it
 earlier (Arora et al., "Zoology: Measuring and Improving Recall in Efficient
 Language Models", 2023). A layer whose state is a fixed filter of its input (S5)
 cannot choose what to store; a selective one can, and Mamba-2's larger state per
-head holds more pairs. Two CPU-sized slices of Zoology's grid: 64 tokens with 4
-pairs and 128 tokens with 8, each mixer at the same width over a sweep of
-learning rates (recurrent models train in a narrow window), the best rate's
-held-out accuracy in one table. docs/examples/mqar.md walks through it.
+head holds more pairs; Gated DeltaNet, at the same state as Mamba-2's, writes it
+with the delta rule. CPU-sized slices of Zoology's grid (by default 64 tokens with
+4 pairs and 128 tokens with 8; `--slices` adds 256 with 16), each mixer at the
+same width over a sweep of learning rates (recurrent models train in a narrow
+window), the best rate's held-out accuracy in one table. docs/examples/mqar.md
+walks through it.
 
     python examples/mqar.py
+    python examples/mqar.py --mixers mamba2,gated_deltanet --slices 128:8,256:16
     python examples/mqar.py --mixers mamba2 --learning-rates 3e-3 --steps 1000
 """
 
@@ -34,11 +37,16 @@ import optax
 import eqx_seq
 
 
-MIXERS = ("mamba2", "mamba", "rglru", "s5")
-SLICES = ((64, 4), (128, 8))  # (sequence length, key-value pairs), Zoology's grid
+MIXERS = ("mamba2", "gated_deltanet", "mamba", "rglru", "s5")
+SEED, BATCH, WIDTH, DEPTH, VOCAB = 0, 32, 64, 2, 256
 parser = argparse.ArgumentParser(description=__doc__)
 parser.add_argument(
     "--mixers", default=",".join(MIXERS), help=f"a comma list of {MIXERS}"
+)
+parser.add_argument(
+    "--slices",
+    default="64:4,128:8",
+    help="slices of Zoology's grid, length:pairs (commas), e.g. 128:8,256:16",
 )
 parser.add_argument(
     "--learning-rates", default="1e-2,3e-2", help="peak rates to sweep (commas)"
@@ -48,15 +56,36 @@ parser.add_argument("--out", default=os.path.join("outputs", "mqar"))
 args = parser.parse_args()
 mixers = args.mixers.split(",")
 rates = [float(r) for r in args.learning_rates.split(",") if r]
+try:  # (sequence length, key-value pairs)
+    SLICES = tuple(tuple(map(int, s.split(":"))) for s in args.slices.split(","))
+except ValueError:
+    SLICES = ()
+# each slice needs distinct keys (fewer than VOCAB/2) and an even offset after the
+# pairs for every key's second appearance (length >= 4 pairs); one slice per length
+if not (
+    SLICES
+    and all(len(s) == 2 and 0 < 4 * s[1] <= s[0] for s in SLICES)
+    and max(p for _, p in SLICES) < VOCAB // 2
+    and len({n for n, _ in SLICES}) == len(SLICES)
+):
+    parser.error(
+        f"--slices must be length:pairs with 1 <= pairs < {VOCAB // 2} and "
+        f"length >= 4 pairs, one per length; got {args.slices!r}"
+    )
 if not set(mixers) <= set(MIXERS) or not rates or min(rates) <= 0:
     parser.error(
         f"--mixers must name mixers of {MIXERS}; --learning-rates, positive rates"
     )
-SEED, BATCH, WIDTH, DEPTH, VOCAB = 0, 32, 64, 2, 256
 # the states per channel (Mamba, S5) or per head channel (Mamba-2): Mamba's usual
 # 16, Mamba-2's larger state (its reference uses 128); the RG-LRU's state is as
-# wide as the model
-STATE_SIZES = {"mamba2": 64, "mamba": 16, "s5": 64}
+# wide as the model. Gated DeltaNet's entry is its key channels per head, with
+# WIDTH // 64 = 1 head and values of 2 * 64 = 128 channels, so that both layers
+# hold 8,192 numbers per layer: Mamba-2's 8 heads x 16 channels x 64 states
+# (expand 2: 128 channels), Gated DeltaNet's 1 head x 64 keys x 128 values (and
+# both convolutions keep 3 steps of 256 channels)
+STATE_SIZES = {"mamba2": 64, "gated_deltanet": 64, "mamba": 16, "s5": 64}
+CHUNK = 64  # Gated DeltaNet's steps per chunk
+PAD = max(map(len, mixers))  # the mixers' names aligned in the lines printed
 print(
     f"MQAR: slices {SLICES} (length, pairs), vocabulary {VOCAB}; {DEPTH}-layer "
     f"models of width {WIDTH}, state sizes {STATE_SIZES}; {args.steps} steps of "
@@ -108,7 +137,9 @@ def held_out(length, pairs, sequences=512):
 # --8<-- [start:model]
 def make_model(mixer, key):
     """A language model over the vocabulary; Mamba-2's heads are of 16 channels
-    (8 heads at this width), its chunks of 16 steps."""
+    (8 heads at this width), its chunks of 16 steps; Gated DeltaNet's heads of
+    STATE_SIZES key channels and twice as many value channels (1 head at this
+    width: the state of Mamba-2's), its chunks of CHUNK steps."""
     if mixer == "mamba2":
 
         def block(key):
@@ -120,6 +151,22 @@ def make_model(mixer, key):
                 key=key,
             )
             return eqx_seq.Mamba2Block(layer)
+
+        return eqx_seq.LanguageModel(
+            VOCAB, width=WIDTH, depth=DEPTH, mixer=block, key=key
+        )
+    if mixer == "gated_deltanet":
+
+        def block(key):
+            layer = eqx_seq.GatedDeltaNet(
+                WIDTH,
+                num_heads=WIDTH // STATE_SIZES[mixer],
+                head_dim=STATE_SIZES[mixer],
+                expand_v=2,
+                chunk_size=CHUNK,
+                key=key,
+            )
+            return eqx_seq.GatedDeltaNetBlock(layer)
 
         return eqx_seq.LanguageModel(
             VOCAB, width=WIDTH, depth=DEPTH, mixer=block, key=key
@@ -172,8 +219,8 @@ def train(mixer, length, pairs, rate):
     acc = float(accuracy(model, *held_out(length, pairs)))
     elapsed = time.perf_counter() - start
     print(
-        f"{mixer:>6} T={length:<4} pairs={pairs} rate {rate:g}: loss {float(loss):.3f}"
-        f"  held-out accuracy {acc:.3f}  ({elapsed:.0f} s)",
+        f"{mixer:>{PAD}} T={length:<4} pairs={pairs} rate {rate:g}: "
+        f"loss {float(loss):.3f}  held-out accuracy {acc:.3f}  ({elapsed:.0f} s)",
         flush=True,
     )
     return acc, elapsed
@@ -199,7 +246,10 @@ for mixer in mixers:
     )
     print(f"| {mixer} | {cells} | {sweep} |")
 
-fig, axes = plt.subplots(1, len(SLICES), figsize=(10, 4), sharey=True)
+fig, axes = plt.subplots(
+    1, len(SLICES), figsize=(5 * len(SLICES), 4), sharey=True, squeeze=False
+)
+axes = axes[0]
 for ax, (length, pairs) in zip(axes, SLICES):
     for mixer in mixers:
         runs = results[mixer, length]

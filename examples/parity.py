@@ -5,11 +5,15 @@ of the bits so far. Trained on strings of 40 bits, a Mamba or Mamba-2 whose deca
 lie in [0, 1] fits them but is at chance beyond; with `negative_decays=True`
 (decays in (-1, 1), Grazzi et al., "Unlocking State-Tracking in Linear RNNs
 Through Negative Eigenvalues", ICLR 2025) the same model computes parity at
-every length, since a negative decay flips the sign of the state. The models are
-evaluated on held-out strings of 40, 128 and 256 bits, and the results printed
-beside the paper's. docs/examples/parity.md walks through it.
+every length, since a negative decay flips the sign of the state. Gated DeltaNet
+is the same story for the delta rule: `negative_eigenvalues=True` lets each
+step's map reflect the state along its key (eigenvalue in (-1, 1) rather than
+[0, 1]). The models are evaluated on held-out strings of 40, 128 and 256 bits,
+and the results printed beside the paper's. docs/examples/parity.md walks
+through it.
 
     python examples/parity.py
+    python examples/parity.py --mixers gated_deltanet
     python examples/parity.py --mixers mamba2 --steps 3000
 """
 
@@ -33,10 +37,10 @@ import optax
 import eqx_seq
 
 
-MIXERS = ("mamba", "mamba2")
+MIXERS = ("mamba", "mamba2", "gated_deltanet")
 parser = argparse.ArgumentParser(description=__doc__)
 parser.add_argument(
-    "--mixers", default="mamba,mamba2", help=f"a comma list of {MIXERS}"
+    "--mixers", default=",".join(MIXERS), help=f"a comma list of {MIXERS}"
 )
 parser.add_argument(
     "--length", type=int, default=40, help="the string length to train at"
@@ -52,6 +56,9 @@ eval_lengths = [int(n) for n in args.eval_lengths.split(",") if n]
 if not set(mixers) <= set(MIXERS):
     parser.error(f"unknown mixer in --mixers {args.mixers!r}; choose from {MIXERS}")
 SEED, BATCH, WIDTH, DEPTH, STATE_SIZE = 0, 64, 32, 2, 16
+# Gated DeltaNet at Mamba-2's state: WIDTH // STATE_SIZE = 2 heads of STATE_SIZE key
+# channels and 2 * STATE_SIZE value channels, 2 x 16 x 32 = 1,024 numbers per layer,
+# as Mamba-2's 4 heads x 16 channels x 16 states (expand 2: 64 channels)
 print(
     f"parity: strings of {args.length} bits, the parity at every position; "
     f"{DEPTH}-layer models of width {WIDTH}, state size {STATE_SIZE}; {args.steps} "
@@ -77,9 +84,22 @@ def held_out(length, strings=512):
 
 # --8<-- [start:model]
 def make_model(mixer, negative, key):
-    """A language model over the two bits whose two logits are the parity's."""
+    """A language model over the two bits whose two logits are the parity's;
+    `negative` is Mamba's and Mamba-2's `negative_decays`, Gated DeltaNet's
+    `negative_eigenvalues`."""
 
     def block(key):
+        if mixer == "gated_deltanet":
+            layer = eqx_seq.GatedDeltaNet(
+                WIDTH,
+                num_heads=WIDTH // STATE_SIZE,
+                head_dim=STATE_SIZE,
+                expand_v=2,
+                negative_eigenvalues=negative,
+                chunk_size=16,
+                key=key,
+            )
+            return eqx_seq.GatedDeltaNetBlock(layer)
         if mixer == "mamba":
             layer = eqx_seq.Mamba(
                 WIDTH, state_size=STATE_SIZE, negative_decays=negative, key=key
@@ -96,6 +116,13 @@ def make_model(mixer, negative, key):
         return eqx_seq.Mamba2Block(layer)
 
     return eqx_seq.LanguageModel(2, width=WIDTH, depth=DEPTH, mixer=block, key=key)
+
+
+def labelled(mixer, negative):
+    """`mixer, decays [0, 1]` and the like: Mamba's and Mamba-2's decays, Gated
+    DeltaNet's eigenvalues (of each step's map, `g (1 - beta)` along its key)."""
+    kind = "eigenvalues" if mixer == "gated_deltanet" else "decays"
+    return f"{mixer}, {kind} {'(-1, 1)' if negative else '[0, 1]'}"
 
 
 # --8<-- [end:model]
@@ -129,13 +156,14 @@ def train(mixer, negative):
     model = make_model(mixer, negative, jr.key(SEED))
     opt_state = optim.init(eqx.filter(model, eqx.is_inexact_array))
     rng = np.random.default_rng([SEED, 0, args.length])
+    pad = max(len(labelled(m, True)) for m in mixers)  # the lines below aligned
     start = time.perf_counter()
     for step in range(1, args.steps + 1):
         bits, parity = make_batch(rng, args.length)
         model, opt_state, loss = train_step(model, opt_state, optim, bits, parity)
         if step % max(1, args.steps // 5) == 0 or step == args.steps:
             print(
-                f"{mixer:>6} decays {'(-1, 1)' if negative else '[0, 1]':<7} step "
+                f"{labelled(mixer, negative):>{pad}}  step "
                 f"{step:5d}  loss {float(loss):.4f}  "
                 f"({time.perf_counter() - start:.0f} s)",
                 flush=True,
@@ -151,7 +179,7 @@ rows, curves = [], {}
 for mixer in mixers:
     for negative in (False, True):
         model, elapsed = train(mixer, negative)
-        name = f"{mixer}, decays {'(-1, 1)' if negative else '[0, 1]'}"
+        name = labelled(mixer, negative)
         # the accuracy of the whole string's parity (its last position), per length
         last = [float(np.mean(correct(model, *held_out(n))[:, -1])) for n in lengths]
         rows.append((name, last, elapsed))
