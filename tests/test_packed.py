@@ -252,15 +252,15 @@ def test_a_bad_segment_stays_in_its_segment(name, scan):
     _close(with_nan_h0, without_h0)
 
 
-# slow tier: MambaBlock, whose convolution's backward across a reset is that of
-# Mamba2Block (kept fast); MambaBlock's packing is checked by test_a_bad_segment_
-# stays_in_its_segment[MambaBlock-associative]
+# slow tier: MambaBlock and GatedDeltaNetBlock, whose convolution's backward across a
+# reset is that of Mamba2Block (kept fast); their packing is checked by test_a_bad_
+# segment_stays_in_its_segment[MambaBlock-associative, GatedDeltaNetBlock-sequential]
 @pytest.mark.parametrize(
     "name",
     [
         pytest.param("MambaBlock", marks=pytest.mark.slow),
         "Mamba2Block",
-        "GatedDeltaNetBlock",
+        pytest.param("GatedDeltaNetBlock", marks=pytest.mark.slow),
     ],
 )
 def test_stacked_blocks_keep_documents_apart(name):

@@ -308,13 +308,14 @@ LAYERS = {
 
 
 # slow tier: the layers without resets (a split without resets: test_selective_scan_
-# h0_on_first_device, test_language_model) and `Mamba` alone, which `MambaBlock`
-# runs
+# h0_on_first_device, test_language_model), `Mamba` alone, which `MambaBlock` runs,
+# and Gated DeltaNet, whose convolution crosses a split as Mamba-2's (kept fast) and
+# whose recurrence does in test_delta_rule_scan
 @pytest.mark.parametrize(
     "name,reset",
     slow_except(
         it.product(LAYERS, [False, True]),
-        [(name, True) for name in LAYERS if name != "mamba"],
+        [(name, True) for name in LAYERS if name not in ("mamba", "gated_deltanet")],
     ),
 )
 def test_layers(name, reset):
