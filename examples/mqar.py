@@ -78,12 +78,15 @@ if not set(mixers) <= set(MIXERS) or not rates or min(rates) <= 0:
     )
 # the states per channel (Mamba, S5) or per head channel (Mamba-2): Mamba's usual
 # 16, Mamba-2's larger state (its reference uses 128); the RG-LRU's state is as
-# wide as the model. Gated DeltaNet's entry is its key channels per head, with
-# WIDTH // 64 = 1 head and values of 2 * 64 = 128 channels, so that both layers
-# hold 8,192 numbers per layer: Mamba-2's 8 heads x 16 channels x 64 states
-# (expand 2: 128 channels), Gated DeltaNet's 1 head x 64 keys x 128 values (and
-# both convolutions keep 3 steps of 256 channels)
-STATE_SIZES = {"mamba2": 64, "gated_deltanet": 64, "mamba": 16, "s5": 64}
+# wide as the model. Gated DeltaNet's entry is its key channels per head, in
+# GDN_HEADS = 4 heads with values of 2 * 32 = 64 channels, so that both layers hold
+# 8,192 numbers per layer: Mamba-2's 8 heads x 16 channels x 64 states (expand 2:
+# 128 channels), Gated DeltaNet's 4 heads x 32 keys x 64 values (and both
+# convolutions keep 3 steps of their channels). Several heads rather than one of
+# 64 x 128: each head's gate starts at one random decay, and one head whose decay
+# forgets within the gap must first unlearn it.
+STATE_SIZES = {"mamba2": 64, "gated_deltanet": 32, "mamba": 16, "s5": 64}
+GDN_HEADS = 4
 CHUNK = 64  # Gated DeltaNet's steps per chunk
 PAD = max(map(len, mixers))  # the mixers' names aligned in the lines printed
 print(
@@ -138,8 +141,8 @@ def held_out(length, pairs, sequences=512):
 def make_model(mixer, key):
     """A language model over the vocabulary; Mamba-2's heads are of 16 channels
     (8 heads at this width), its chunks of 16 steps; Gated DeltaNet's heads of
-    STATE_SIZES key channels and twice as many value channels (1 head at this
-    width: the state of Mamba-2's), its chunks of CHUNK steps."""
+    STATE_SIZES key channels and twice as many value channels (GDN_HEADS heads:
+    the state of Mamba-2's), its chunks of CHUNK steps."""
     if mixer == "mamba2":
 
         def block(key):
@@ -160,7 +163,7 @@ def make_model(mixer, key):
         def block(key):
             layer = eqx_seq.GatedDeltaNet(
                 WIDTH,
-                num_heads=WIDTH // STATE_SIZES[mixer],
+                num_heads=GDN_HEADS,
                 head_dim=STATE_SIZES[mixer],
                 expand_v=2,
                 chunk_size=CHUNK,
