@@ -15,6 +15,7 @@ walks through it.
     python examples/mqar.py
     python examples/mqar.py --mixers mamba2,gated_deltanet --slices 128:8,256:16
     python examples/mqar.py --mixers mamba2 --learning-rates 3e-3 --steps 1000
+    python examples/mqar.py --mixers gated_deltanet --slices 256:16 --seed 1
 """
 
 # --8<-- [start:setup]
@@ -38,7 +39,7 @@ import eqx_seq
 
 
 MIXERS = ("mamba2", "gated_deltanet", "mamba", "rglru", "s5")
-SEED, BATCH, WIDTH, DEPTH, VOCAB = 0, 32, 64, 2, 256
+BATCH, WIDTH, DEPTH, VOCAB = 32, 64, 2, 256
 parser = argparse.ArgumentParser(description=__doc__)
 parser.add_argument(
     "--mixers", default=",".join(MIXERS), help=f"a comma list of {MIXERS}"
@@ -52,8 +53,15 @@ parser.add_argument(
     "--learning-rates", default="1e-2,3e-2", help="peak rates to sweep (commas)"
 )
 parser.add_argument("--steps", type=int, default=1200)
+parser.add_argument(
+    "--seed",
+    type=int,
+    default=0,
+    help="draws the models, the training sequences and the held-out ones",
+)
 parser.add_argument("--out", default=os.path.join("outputs", "mqar"))
 args = parser.parse_args()
+SEED = args.seed
 mixers = args.mixers.split(",")
 rates = [float(r) for r in args.learning_rates.split(",") if r]
 try:  # (sequence length, key-value pairs)
@@ -72,9 +80,10 @@ if not (
         f"--slices must be length:pairs with 1 <= pairs < {VOCAB // 2} and "
         f"length >= 4 pairs, one per length; got {args.slices!r}"
     )
-if not set(mixers) <= set(MIXERS) or not rates or min(rates) <= 0:
+if not set(mixers) <= set(MIXERS) or not rates or min(rates) <= 0 or SEED < 0:
     parser.error(
-        f"--mixers must name mixers of {MIXERS}; --learning-rates, positive rates"
+        f"--mixers must name mixers of {MIXERS}; --learning-rates, positive rates; "
+        "--seed, a non-negative integer"
     )
 # the states per channel (Mamba, S5) or per head channel (Mamba-2): Mamba's usual
 # 16, Mamba-2's larger state (its reference uses 128); the RG-LRU's state is as
@@ -92,7 +101,8 @@ PAD = max(map(len, mixers))  # the mixers' names aligned in the lines printed
 print(
     f"MQAR: slices {SLICES} (length, pairs), vocabulary {VOCAB}; {DEPTH}-layer "
     f"models of width {WIDTH}, state sizes {STATE_SIZES}; {args.steps} steps of "
-    f"{BATCH} fresh sequences per rate in {rates}; on {jax.default_backend()}"
+    f"{BATCH} fresh sequences per rate in {rates}, seed {SEED}; on "
+    f"{jax.default_backend()}"
 )
 # --8<-- [end:setup]
 

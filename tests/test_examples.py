@@ -306,6 +306,7 @@ def test_mqar_rejects_bad_settings(tmp_path):
         ["--mixers", "gru"],
         ["--learning-rates", "-1"],
         ["--slices", "64:40"],  # more pairs than the sequence holds
+        ["--seed", "-1"],
     ):
         with pytest.raises(AssertionError, match="error"):
             run_script("examples/mqar.py", *bad, "--out", str(tmp_path))
