@@ -59,6 +59,12 @@ parser.add_argument(
     default=0,
     help="draws the models, the training sequences and the held-out ones",
 )
+parser.add_argument(
+    "--decay-init",
+    default="independent",
+    choices=("independent", "stratified"),
+    help="Mamba-2's and Gated DeltaNet's `decay_init`",
+)
 parser.add_argument("--out", default=os.path.join("outputs", "mqar"))
 args = parser.parse_args()
 SEED = args.seed
@@ -101,7 +107,8 @@ PAD = max(map(len, mixers))  # the mixers' names aligned in the lines printed
 print(
     f"MQAR: slices {SLICES} (length, pairs), vocabulary {VOCAB}; {DEPTH}-layer "
     f"models of width {WIDTH}, state sizes {STATE_SIZES}; {args.steps} steps of "
-    f"{BATCH} fresh sequences per rate in {rates}, seed {SEED}; on "
+    f"{BATCH} fresh sequences per rate in {rates}, seed {SEED}, decay init "
+    f"{args.decay_init}; on "
     f"{jax.default_backend()}"
 )
 # --8<-- [end:setup]
@@ -161,6 +168,7 @@ def make_model(mixer, key):
                 state_size=STATE_SIZES[mixer],
                 head_dim=16,
                 chunk_size=16,
+                decay_init=args.decay_init,
                 key=key,
             )
             return eqx_seq.Mamba2Block(layer)
@@ -177,6 +185,7 @@ def make_model(mixer, key):
                 head_dim=STATE_SIZES[mixer],
                 expand_v=2,
                 chunk_size=CHUNK,
+                decay_init=args.decay_init,
                 key=key,
             )
             return eqx_seq.GatedDeltaNetBlock(layer)

@@ -430,6 +430,8 @@ def test_layer_bad_input():
         eqx_seq.GatedDeltaNet(6, A_init_range=(2.0, 1.0), key=key)
     with pytest.raises(ValueError, match="Need dt_min < dt_max"):
         eqx_seq.GatedDeltaNet(6, dt_min=0.1, dt_max=0.01, key=key)
+    with pytest.raises(ValueError, match="`decay_init` must be one of"):
+        eqx_seq.GatedDeltaNet(6, decay_init="uniform", key=key)
     with pytest.raises(ValueError, match="float32 or float64"):
         eqx_seq.GatedDeltaNet(6, dtype=jnp.float16, key=key)
     with pytest.raises(ValueError, match="`negative_eigenvalues` must be a bool"):

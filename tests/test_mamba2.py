@@ -138,6 +138,35 @@ def test_initialisation(getkey):
     assert labels.mamba.in_proj == "regular"
 
 
+@pytest.mark.parametrize("layer_class", ["Mamba2", "GatedDeltaNet"])
+def test_stratified_decays(layer_class):
+    """`decay_init="stratified"` keeps the independent draw's `exp(A_log)` and puts
+    the heads' decay rates `exp(A_log) softplus(dt_bias)` one in each equal slice
+    of `[low dt_min, high dt_max]` on a log scale, in an order that varies with
+    the key."""
+    make = getattr(eqx_seq, layer_class)
+    sizes = (
+        {"state_size": 4, "head_dim": 4}  # 8 heads
+        if layer_class == "Mamba2"
+        else {"num_heads": 2, "num_v_heads": 8, "head_dim": 4}
+    )
+    ranges = {"A_init_range": (2.0, 5.0), "dt_min": 1e-3, "dt_max": 0.2}
+    low, high = np.log(2.0 * 1e-3), np.log(5.0 * 0.2)
+    slowest = set()
+    for seed in range(4):
+        layer, independent = (
+            make(16, **sizes, **ranges, decay_init=init, key=jr.key(seed))
+            for init in ("stratified", "independent")
+        )
+        np.testing.assert_array_equal(layer.A_log, independent.A_log)
+        rate = np.exp(layer.A_log) * jax.nn.softplus(layer.dt_bias)
+        where = (np.log(rate) - low) / (high - low) * 8
+        assert np.all((where > -1e-9) & (where < 8 + 1e-9))
+        np.testing.assert_array_equal(np.sort(np.floor(where)), np.arange(8))
+        slowest.add(int(np.argmin(rate)))
+    assert len(slowest) > 1
+
+
 # slow tier: Mamba2Block's call and step run in test_packed.py (test_stacked_blocks_
 # keep_documents_apart[Mamba2Block], test_step_mode_restarts_like_the_parallel_call
 # [Mamba2Block]), a float32 Mamba-2 and its block in test_edge_cases.py's test_
@@ -181,6 +210,9 @@ def test_bad_input(getkey):
         eqx_seq.Mamba2(6, head_dim=4, A_init_range=(0.0, 1.0), key=getkey())
     with pytest.raises(ValueError, match="low <= high"):
         eqx_seq.Mamba2(6, head_dim=4, A_init_range=(2.0, 1.0), key=getkey())
+    for bad in ["uniform", None, True]:
+        with pytest.raises(ValueError, match="`decay_init` must be one of"):
+            eqx_seq.Mamba2(6, head_dim=4, decay_init=bad, key=getkey())
     layer = _layer(getkey())
     with pytest.raises(ValueError, match="use `jax.vmap` for a batch"):
         layer(jnp.ones((2, 5, 8)))

@@ -105,6 +105,7 @@ class GatedDeltaNet(AbstractRecurrentLayer):
         dt_min: float = 1e-3,
         dt_max: float = 0.1,
         dt_init_floor: float = 1e-4,
+        decay_init: Literal["independent", "stratified"] = "independent",
         norm_eps: float = 1e-5,
         chunk_size: int = 64,
         scan: AbstractScan = AutoScan(),
@@ -128,6 +129,13 @@ class GatedDeltaNet(AbstractRecurrentLayer):
             head.
         - `dt_min`, `dt_max`, `dt_init_floor`: `softplus(dt_bias)` starts
             log-uniform in `[dt_min, dt_max]`, at least `dt_init_floor`.
+        - `decay_init`: `"independent"` (Mamba-2's) draws each head's `exp(A_log)`
+            and `softplus(dt_bias)` independently; `"stratified"` keeps
+            `exp(A_log)`'s draw and sets `dt_bias` so that the heads' decay rates
+            `exp(A_log) * softplus(dt_bias)` fall one in each equal slice of
+            `[low * dt_min, high * dt_max]` on a log scale (in a random order), so
+            that the layer starts with heads of long and of short memory (see the
+            MQAR example).
         - `norm_eps`: the gated RMS norm's epsilon.
         - `chunk_size`: [`eqx_seq.delta_rule_scan`][]'s steps per chunk.
         - `scan`: the backend of the recurrence between chunks, an
@@ -155,7 +163,9 @@ class GatedDeltaNet(AbstractRecurrentLayer):
                 f"head serves num_v_heads / num_heads value heads), got "
                 f"num_heads={num_heads}, num_v_heads={num_v_heads}."
             )
-        ranges = check_decay_init(A_init_range, dt_min, dt_max, dt_init_floor)
+        ranges = check_decay_init(
+            A_init_range, dt_min, dt_max, dt_init_floor, decay_init
+        )
         norm_eps = check_real("norm_eps", norm_eps, positive=True)
         check_scan(scan, name="eqx_seq.GatedDeltaNet", splits_time=True)
         dtype = check_parameter_dtype("GatedDeltaNet", dtype)

@@ -3,7 +3,7 @@
 
 import math
 from collections.abc import Sequence
-from typing import ClassVar
+from typing import ClassVar, Literal
 
 import equinox as eqx
 import jax
@@ -30,11 +30,18 @@ from ._ssd import ssd_scan, ssd_step
 from ._ssd_checks import check_dt_limit
 
 
+DECAY_INITS = ("independent", "stratified")
+
+
 def check_decay_init(
-    A_init_range: object, dt_min: object, dt_max: object, dt_init_floor: object
-) -> tuple[float, float, float, float, float]:
+    A_init_range: object,
+    dt_min: object,
+    dt_max: object,
+    dt_init_floor: object,
+    decay_init: object,
+) -> tuple[float, float, float, float, float, bool]:
     """The initialisation of Mamba-2's decays (and Gated DeltaNet's gates),
-    checked: `(low, high, dt_min, dt_max, dt_init_floor)`."""
+    checked: `(low, high, dt_min, dt_max, dt_init_floor, stratified)`."""
     lo, hi = check_reals("A_init_range", A_init_range, ("low", "high"), positive=True)
     if not lo <= hi:
         raise ValueError(
@@ -45,12 +52,17 @@ def check_decay_init(
     dt_max = check_real("dt_max", dt_max, positive=True)
     if not dt_min < dt_max:
         raise ValueError(f"Need dt_min < dt_max, got dt_min={dt_min}, dt_max={dt_max}.")
+    if not (isinstance(decay_init, str) and decay_init in DECAY_INITS):
+        raise ValueError(
+            f"`decay_init` must be one of {DECAY_INITS}, got {decay_init!r}."
+        )
     return (
         lo,
         hi,
         dt_min,
         dt_max,
         check_real("dt_init_floor", dt_init_floor, nonnegative=True),
+        decay_init == "stratified",
     )
 
 
@@ -58,16 +70,30 @@ def init_decays(
     dt_key: PRNGKeyArray, A_key: PRNGKeyArray, heads: int, ranges: tuple, dtype
 ) -> tuple[Float[Array, " heads"], Float[Array, " heads"]]:
     """`(A_log, dt_bias)` from the checked `ranges`: `exp(A_log)` uniform in
-    `[low, high]`, the step size `softplus(dt_bias)` log-uniform in
-    `[dt_min, dt_max]` and at least `dt_init_floor` (`dt_bias` is its inverse
-    softplus)."""
-    lo, hi, dt_min, dt_max, floor = ranges
-    log_dt = jr.uniform(
-        dt_key, (heads,), dtype, minval=math.log(dt_min), maxval=math.log(dt_max)
-    )
-    dt = jnp.maximum(jnp.exp(log_dt), floor)
-    A_log = jnp.log(jr.uniform(A_key, (heads,), dtype, minval=lo, maxval=hi))
-    return A_log, dt + jnp.log(-jnp.expm1(-dt))
+    `[low, high]`; the step size `Δ = softplus(dt_bias)` at least `dt_init_floor`
+    (`dt_bias` is its inverse softplus), and either log-uniform in
+    `[dt_min, dt_max]` independently per head, or (stratified) such that the heads'
+    decay rates `exp(A_log) Δ` fall one in each of `heads` equal slices of
+    `[low dt_min, high dt_max]` on a log scale, in a random order, each uniform
+    (in log) within its slice.
+
+    Stratified, every layer starts with heads of long and of short memory; drawn
+    independently, all of a layer's heads may start with short memory, and on
+    recall tasks a model can then stall until it unlearns that (the MQAR example's
+    page measures it)."""
+    lo, hi, dt_min, dt_max, floor, stratified = ranges
+    A = jr.uniform(A_key, (heads,), dtype, minval=lo, maxval=hi)
+    if stratified:
+        low, high = math.log(lo * dt_min), math.log(hi * dt_max)
+        order_key, within_key = jr.split(dt_key)
+        slot = jr.permutation(order_key, heads).astype(dtype)
+        where = (slot + jr.uniform(within_key, (heads,), dtype)) / heads
+        dt = jnp.exp(low + where * (high - low)) / A
+    else:
+        low, high = math.log(dt_min), math.log(dt_max)
+        dt = jnp.exp(jr.uniform(dt_key, (heads,), dtype, minval=low, maxval=high))
+    dt = jnp.maximum(dt, floor)
+    return jnp.log(A), dt + jnp.log(-jnp.expm1(-dt))
 
 
 # The state of `Mamba2` and `Mamba2Block`: the convolution's last `conv_size - 1`
@@ -142,6 +168,7 @@ class Mamba2(AbstractRecurrentLayer):
         dt_min: float = 1e-3,
         dt_max: float = 0.1,
         dt_init_floor: float = 1e-4,
+        decay_init: Literal["independent", "stratified"] = "independent",
         dt_limit: tuple[float, float] = (0.0, float("inf")),
         norm_eps: float = 1e-5,
         negative_decays: bool = False,
@@ -162,6 +189,12 @@ class Mamba2(AbstractRecurrentLayer):
         - `A_init_range`: `-A` starts uniform in this range, one per head.
         - `dt_min`, `dt_max`, `dt_init_floor`: the step sizes start log-uniform in
             `[dt_min, dt_max]`, at least `dt_init_floor` (through `dt_bias`).
+        - `decay_init`: `"independent"` (the reference's) draws each head's `-A` and
+            step size independently; `"stratified"` keeps `-A`'s draw and sets the
+            step sizes so that each layer's decay rates `-A * dt` fall one in each
+            equal slice of `[low * dt_min, high * dt_max]` on a log scale (in a
+            random order), so that every layer starts with heads of long and of
+            short memory (see the MQAR example).
         - `dt_limit`: `(low, high)`, the step sizes clamped to it (the default
             clamps nothing).
         - `norm_eps`: the gated RMS norm's epsilon.
@@ -200,7 +233,9 @@ class Mamba2(AbstractRecurrentLayer):
                 f"`ngroups` must divide the {heads} heads (E / head_dim = {E} / "
                 f"{head_dim}), got ngroups={ngroups}."
             )
-        ranges = check_decay_init(A_init_range, dt_min, dt_max, dt_init_floor)
+        ranges = check_decay_init(
+            A_init_range, dt_min, dt_max, dt_init_floor, decay_init
+        )
         norm_eps = check_real("norm_eps", norm_eps, positive=True)
         dt_limit = check_dt_limit("eqx_seq.Mamba2", dt_limit)
         check_scan(scan, name="eqx_seq.Mamba2", splits_time=True)
