@@ -16,6 +16,7 @@ walks through it.
     python examples/mqar.py --mixers mamba2,gated_deltanet --slices 128:8,256:16
     python examples/mqar.py --mixers mamba2 --learning-rates 3e-3 --steps 1000
     python examples/mqar.py --mixers gated_deltanet --slices 256:16 --seed 1
+    python examples/mqar.py --mixers mamba2,gated_deltanet --decay-init stratified
 """
 
 # --8<-- [start:setup]

@@ -128,7 +128,8 @@ class GatedDeltaNet(AbstractRecurrentLayer):
         - `A_init_range`: `exp(A_log)` starts uniform in this range, one per value
             head.
         - `dt_min`, `dt_max`, `dt_init_floor`: `softplus(dt_bias)` starts
-            log-uniform in `[dt_min, dt_max]`, at least `dt_init_floor`.
+            log-uniform in `[dt_min, dt_max]` (with `decay_init="independent"`), at
+            least `dt_init_floor`.
         - `decay_init`: `"independent"` (Mamba-2's) draws each head's `exp(A_log)`
             and `softplus(dt_bias)` independently; `"stratified"` keeps
             `exp(A_log)`'s draw and sets `dt_bias` so that the heads' decay rates

@@ -78,9 +78,7 @@ def init_decays(
     (in log) within its slice.
 
     Stratified, every layer starts with heads of long and of short memory; drawn
-    independently, all of a layer's heads may start with short memory, and on
-    recall tasks a model can then stall until it unlearns that (the MQAR example's
-    page measures it)."""
+    independently, all of a layer's heads may start with short memory."""
     lo, hi, dt_min, dt_max, floor, stratified = ranges
     A = jr.uniform(A_key, (heads,), dtype, minval=lo, maxval=hi)
     if stratified:
@@ -188,7 +186,8 @@ class Mamba2(AbstractRecurrentLayer):
         - `conv_size`: the taps of the causal convolution.
         - `A_init_range`: `-A` starts uniform in this range, one per head.
         - `dt_min`, `dt_max`, `dt_init_floor`: the step sizes start log-uniform in
-            `[dt_min, dt_max]`, at least `dt_init_floor` (through `dt_bias`).
+            `[dt_min, dt_max]` (with `decay_init="independent"`), at least
+            `dt_init_floor` (through `dt_bias`).
         - `decay_init`: `"independent"` (the reference's) draws each head's `-A` and
             step size independently; `"stratified"` keeps `-A`'s draw and sets the
             step sizes so that each layer's decay rates `-A * dt` fall one in each
